@@ -1,0 +1,41 @@
+"""keye: Keye-VL-style video-language models.
+
+The public entry points are imported lazily so that ``import keye`` stays cheap and so that parts
+with heavy optional dependencies (training, demo) load only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "KeyeVL": "keye.model.keye_vl",
+    "KeyeVLConfig": "keye.config",
+    "VisionConfig": "keye.config",
+    "TextConfig": "keye.config",
+    "KeyeProcessor": "keye.processing.processor",
+    "load_tiny": "keye.tiny",
+    "KeyeError": "keye.errors",
+    "KeyeInputError": "keye.errors",
+    "KeyeConfigError": "keye.errors",
+    "KeyeWeightsError": "keye.errors",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from keye.config import KeyeVLConfig, TextConfig, VisionConfig
+    from keye.errors import KeyeConfigError, KeyeError, KeyeInputError, KeyeWeightsError
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+    from keye.tiny import load_tiny
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keye' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
