@@ -1,0 +1,278 @@
+"""The training manifest: JSONL, one conversation per line.
+
+Each line is a JSON object::
+
+    {"id": "train-000001",                       # optional, defaults to "line-<n>"
+     "messages": [                                # required, qwen-vl-utils / KeyeProcessor schema
+        {"role": "user", "content": [
+            {"type": "video", "video": "media/train/000001.mp4", "fps": 4.0},
+            {"type": "text", "text": "What colour is the circle?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "B"}]}],
+     "answer": "B", "answer_kind": "mc", "choices": ["red", "blue"],   # optional, for eval / RL rewards
+     "question_type": "color", "group": "q-17"}                        # optional
+
+``content`` may also be a plain string. Media paths (``image`` / ``video`` values) that are relative are
+resolved against the manifest's root (by default the directory holding the manifest); absolute paths,
+``file://`` URLs, ``http(s)://`` URLs and ``data:`` URIs are passed through. A video may also be a list of
+frame image paths. Every other key of a content item (``fps``, ``max_pixels``, ``min_pixels``,
+``resized_height``, ...) is kept and handed to the processor unchanged.
+
+:func:`read_manifest` parses a manifest into :class:`Sample` objects and collects every malformed row as a
+:class:`BadRow` (line number + reason) instead of stopping at the first one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keye.errors import KeyeInputError
+
+ROLES = ("system", "user", "assistant")
+MEDIA_TYPES = ("image", "video")
+_PASSTHROUGH_PREFIXES = ("http://", "https://", "data:")
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One image or video referenced by a sample.
+
+    Attributes:
+        kind: ``"image"`` or ``"video"``.
+        path: absolute local path (or URL / data URI, passed through); for a frame-list video, the first frame.
+        frames: for a video given as a list of frame images, their absolute paths; otherwise ``None``.
+        options: the content item's other keys (``fps``, ``max_pixels``, ...), as written in the manifest.
+    """
+
+    kind: str
+    path: str
+    frames: tuple[str, ...] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_local(self) -> bool:
+        """True when the media is a file on this machine (not a URL or data URI)."""
+        return not self.path.startswith(_PASSTHROUGH_PREFIXES)
+
+
+@dataclass
+class Sample:
+    """One parsed manifest row.
+
+    Attributes:
+        index: 0-based position among the *valid* samples of the manifest (the sampler's sample id).
+        line: 1-based line number in the manifest file (for error messages).
+        id: the row's ``id`` or ``"line-<line>"``.
+        messages: the conversation with media paths resolved to absolute paths (ready for the processor).
+        media: every image / video the conversation references, in order of appearance.
+        row: the raw JSON object (all optional fields: ``answer``, ``question_type``, ``group``, ...).
+    """
+
+    index: int
+    line: int
+    id: str
+    messages: list[dict[str, Any]]
+    media: list[MediaRef]
+    row: dict[str, Any]
+
+    @property
+    def group(self) -> str | None:
+        """The RL group id (samples sharing it are kept on one rank), or ``None``."""
+        g = self.row.get("group")
+        return None if g is None else str(g)
+
+    @property
+    def modality(self) -> str:
+        """``"text"``, ``"image"``, ``"video"`` or ``"mixed"`` (images and videos together)."""
+        kinds = {m.kind for m in self.media}
+        if not kinds:
+            return "text"
+        if len(kinds) == 2:
+            return "mixed"
+        return next(iter(kinds))
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A manifest row (or sample) that cannot be used: its 1-based line number, id if known, and why."""
+
+    line: int
+    reason: str
+    id: str | None = None
+
+    def __str__(self) -> str:
+        who = f" ({self.id})" if self.id else ""
+        return f"line {self.line}{who}: {self.reason}"
+
+
+@dataclass
+class Manifest:
+    """A parsed manifest: the valid samples, the rows rejected while parsing, and where it came from."""
+
+    path: Path
+    root: Path
+    samples: list[Sample]
+    bad_rows: list[BadRow]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def resolve_media_path(value: str, root: Path) -> str:
+    """Return ``value`` as an absolute local path (relative paths joined to ``root``; ``file://`` stripped).
+
+    URLs (``http://``, ``https://``) and ``data:`` URIs are returned unchanged.
+    """
+    if value.startswith(_PASSTHROUGH_PREFIXES):
+        return value
+    if value.startswith("file://"):
+        value = value[len("file://") :]
+    p = Path(value)
+    if not p.is_absolute():
+        p = root / p
+    return os.path.normpath(str(p))
+
+
+def _parse_content_item(item: Any, root: Path, where: str) -> tuple[dict[str, Any], MediaRef | None]:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} is a {type(item).__name__}, expected an object with a 'type'")
+    kind = item.get("type")
+    if kind == "text":
+        if not isinstance(item.get("text"), str):
+            raise ValueError(f"{where} has type 'text' but no string 'text'")
+        return dict(item), None
+    if kind not in MEDIA_TYPES:
+        # qwen-vl-utils also infers the type from the key; accept {"image": ...} without "type".
+        inferred = [k for k in MEDIA_TYPES if k in item]
+        if kind is None and len(inferred) == 1:
+            kind = inferred[0]
+        else:
+            raise ValueError(f"{where} has unknown type {kind!r} (expected text, image or video)")
+    value = item.get(kind)
+    options = {k: v for k, v in item.items() if k not in ("type", kind)}
+    out = dict(item)
+    out["type"] = kind
+    if kind == "video" and isinstance(value, list):
+        if not value or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where} is a frame-list video but its list is empty or not all strings")
+        frames = tuple(resolve_media_path(v, root) for v in value)
+        out[kind] = list(frames)
+        return out, MediaRef(kind, frames[0], frames, options)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where} has type {kind!r} but no path string under {kind!r}")
+    path = resolve_media_path(value, root)
+    out[kind] = path
+    return out, MediaRef(kind, path, None, options)
+
+
+def parse_row(obj: Any, root: Path) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """Check one decoded JSON row and return (messages with resolved paths, media refs).
+
+    Raises:
+        ValueError: with a one-line reason when the row does not follow the schema (no ``messages`` list,
+            unknown role, empty content, unknown content type, media item without a path, no assistant turn
+            after the last user turn is *not* an error: prompt-only rows are allowed for RL).
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"row is a JSON {type(obj).__name__}, expected an object")
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("missing or empty 'messages' list")
+    out_msgs: list[dict[str, Any]] = []
+    media: list[MediaRef] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] is not an object")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}] has role {role!r} (expected one of {', '.join(ROLES)})")
+        content = msg.get("content")
+        if isinstance(content, str):
+            out_msgs.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list) or not content:
+            raise ValueError(f"messages[{i}].content must be a string or a non-empty list")
+        items = []
+        for j, item in enumerate(content):
+            parsed, ref = _parse_content_item(item, root, f"messages[{i}].content[{j}]")
+            if ref is not None and role != "user":
+                raise ValueError(f"messages[{i}].content[{j}]: media only allowed in user turns, not {role}")
+            items.append(parsed)
+            if ref is not None:
+                media.append(ref)
+        out_msgs.append({"role": role, "content": items})
+    if not any(m["role"] == "user" for m in out_msgs):
+        raise ValueError("conversation has no user turn")
+    return out_msgs, media
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Yield (1-based line number, stripped text) for every non-blank line of a text file."""
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(f, start=1):
+            text = text.strip()
+            if text:
+                yield n, text
+
+
+def read_manifest(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Manifest:
+    """Parse a JSONL manifest; malformed rows are collected, not raised.
+
+    Args:
+        path: the ``.jsonl`` file.
+        root: directory that relative media paths are relative to (default: the manifest's directory).
+
+    Returns:
+        :class:`Manifest` with the valid samples (``index`` 0..n-1 in file order) and the bad rows.
+        Only the schema is checked here; whether media files exist and decode is checked by the probe
+        (:func:`keye.data.validate.check_manifest`).
+
+    Raises:
+        KeyeInputError: the manifest file itself cannot be read, or duplicate ``id`` values (which would
+            make resume and evaluation ambiguous) are reported as bad rows, not raised.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise KeyeInputError("manifest file not found", path=path)
+    root_p = Path(root) if root is not None else path.parent
+    samples: list[Sample] = []
+    bad: list[BadRow] = []
+    seen_ids: dict[str, int] = {}
+    try:
+        lines = list(iter_lines(path))
+    except (OSError, UnicodeDecodeError) as err:
+        raise KeyeInputError(f"cannot read manifest: {err}", path=path) from err
+    for n, text in lines:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            bad.append(BadRow(n, f"invalid JSON: {err.msg} at column {err.colno}"))
+            continue
+        sid = obj.get("id") if isinstance(obj, dict) else None
+        try:
+            messages, media = parse_row(obj, root_p)
+        except ValueError as err:
+            bad.append(BadRow(n, str(err), None if sid is None else str(sid)))
+            continue
+        sid = str(sid) if sid is not None else f"line-{n}"
+        if sid in seen_ids:
+            bad.append(BadRow(n, f"duplicate id {sid!r} (first on line {seen_ids[sid]})", sid))
+            continue
+        seen_ids[sid] = n
+        samples.append(Sample(len(samples), n, sid, messages, media, obj))
+    return Manifest(path, root_p, samples, bad)
+
+
+def write_manifest(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> None:
+    """Write rows as JSONL (UTF-8, one compact object per line), atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)

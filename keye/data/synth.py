@@ -1,0 +1,535 @@
+"""Synthetic video-QA set: coloured shapes that appear, move, change colour, collide or leave.
+
+Every clip is rendered from a small scene description drawn from ``numpy.random.default_rng([seed, split,
+index])``, so a sample depends only on (seed, split, index): the set is deterministic, can be generated in
+any order and in parallel, and the test split never overlaps the train split. Each clip comes with one
+question whose answer is known exactly from the scene:
+
+============== ======= ==================================================================
+question_type  kind    what it needs
+============== ======= ==================================================================
+color          mc      colour of the (unique) shape
+shape          mc      shape of the (unique) colour
+count          numeric how many objects appear in total (some appear late / leave early)
+direction      mc      direction of motion of one object
+order          mc      which of 2-3 objects appears first (gaps of 0.5-1 s: temporal order)
+color_change   mc      the colour an object turns into
+when_appear    numeric the second at which an object appears (timestamps)
+when_change    numeric the second at which an object changes colour
+when_collide   numeric the second at which two objects touch (they bounce apart)
+when_leave     numeric the second at which an object has fully left the frame
+detail         mc      shape of a tiny object shown for ~1 s (high-resolution key frame)
+position       mc      (image-only) whether one object is left or right of another
+============== ======= ==================================================================
+
+Event times sit on a 0.5 s grid (every fps used is a multiple of 2), so numeric "when" answers are exact
+at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) for lenient scoring.
+Multiple-choice answers are option letters; rows carry ``choices`` (the option texts, in letter order).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from keye.data.manifest import write_manifest
+from keye.errors import KeyeConfigError
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 90, 230),
+    "yellow": (235, 215, 40),
+    "purple": (155, 60, 200),
+    "orange": (245, 140, 30),
+    "white": (235, 235, 235),
+}
+SHAPES = ("circle", "square", "triangle", "diamond")
+DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
+BACKGROUND = (24, 24, 28)
+SIDES = (112, 168, 224)
+FPS_CHOICES = (4, 6, 8)
+LETTERS = "ABCDEFGH"
+GRID = 0.5  # seconds; event times are multiples of this
+
+VIDEO_TYPES: dict[str, float] = {
+    "color": 1.0,
+    "shape": 1.0,
+    "count": 1.0,
+    "direction": 1.0,
+    "order": 1.0,
+    "color_change": 1.0,
+    "when_appear": 1.0,
+    "when_change": 0.7,
+    "when_collide": 0.7,
+    "when_leave": 0.7,
+    "detail": 1.0,
+}
+IMAGE_TYPES: dict[str, float] = {"color": 1.0, "shape": 1.0, "count": 1.0, "position": 1.0}
+SPLIT_CODES = {"train": 0, "test": 1}
+
+
+@dataclass
+class Obj:
+    """One shape in a scene. Times are seconds; positions are pixel centres at ``t_appear``; velocity px/s."""
+
+    shape: str
+    color: str
+    size: float  # half-extent in pixels
+    x: float
+    y: float
+    vx: float = 0.0
+    vy: float = 0.0
+    t_appear: float = 0.0
+    t_vanish: float = math.inf
+    t_change: float = math.inf
+    new_color: str | None = None
+    bounce_at: float = math.inf  # velocity reverses at this time (a collision)
+
+    @property
+    def name(self) -> str:
+        """'the red circle' style description (colour at appearance)."""
+        return f"{self.color} {self.shape}"
+
+    def state(self, t: float) -> tuple[bool, float, float, str]:
+        """(visible, x, y, colour name) at time ``t``."""
+        if t < self.t_appear - 1e-9 or t >= self.t_vanish - 1e-9:
+            return False, 0.0, 0.0, self.color
+        dt = t - self.t_appear
+        if t >= self.bounce_at:
+            d0 = self.bounce_at - self.t_appear
+            x = self.x + self.vx * d0 - self.vx * (t - self.bounce_at)
+            y = self.y + self.vy * d0 - self.vy * (t - self.bounce_at)
+        else:
+            x, y = self.x + self.vx * dt, self.y + self.vy * dt
+        color = self.new_color if (self.new_color and t >= self.t_change - 1e-9) else self.color
+        return True, x, y, color
+
+
+@dataclass
+class Scene:
+    """A clip (or an image when ``fps == 0``) plus its question."""
+
+    width: int
+    height: int
+    fps: int
+    duration: float
+    objects: list[Obj]
+    question_type: str
+    question: str
+    answer: str
+    answer_kind: str
+    choices: list[str] | None = None
+    tolerance: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_frames(self) -> int:
+        """Frames in the clip (1 for an image)."""
+        return 1 if self.fps == 0 else int(round(self.duration * self.fps))
+
+
+# --------------------------------------------------------------------------------------------- drawing
+
+
+def _shape_mask(shape: str, xs: np.ndarray, ys: np.ndarray, cx: float, cy: float, r: float) -> np.ndarray:
+    dx, dy = xs - cx, ys - cy
+    if shape == "circle":
+        return dx * dx + dy * dy <= r * r
+    if shape == "square":
+        s = r * 0.85
+        return (np.abs(dx) <= s) & (np.abs(dy) <= s)
+    if shape == "diamond":
+        return np.abs(dx) + np.abs(dy) <= r
+    if shape == "triangle":  # apex up, base at cy + r
+        frac = (dy + r) / (2 * r)
+        return (dy >= -r) & (dy <= r) & (np.abs(dx) <= frac * r)
+    raise KeyeConfigError(f"unknown shape {shape!r}")
+
+
+def render_frame(scene: Scene, t: float) -> np.ndarray:
+    """Render the scene at time ``t`` (seconds) as uint8 [H, W, 3]; later objects are drawn on top."""
+    frame = np.empty((scene.height, scene.width, 3), dtype=np.uint8)
+    frame[:] = BACKGROUND
+    for obj in scene.objects:
+        vis, x, y, color = obj.state(t)
+        if not vis:
+            continue
+        r = obj.size
+        x0, x1 = max(0, int(x - r) - 1), min(scene.width, int(x + r) + 2)
+        y0, y1 = max(0, int(y - r) - 1), min(scene.height, int(y + r) + 2)
+        if x0 >= x1 or y0 >= y1:
+            continue
+        ys, xs = np.mgrid[y0:y1, x0:x1]
+        mask = _shape_mask(obj.shape, xs + 0.5, ys + 0.5, x, y, r)
+        frame[y0:y1, x0:x1][mask] = COLORS[color]
+    return frame
+
+
+def write_video(path: Path, scene: Scene) -> None:
+    """Encode the scene as H.264 mp4 (yuv420p, one thread, deterministic) with PyAV."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=scene.fps)
+        stream.width, stream.height, stream.pix_fmt = scene.width, scene.height, "yuv420p"
+        stream.options = {"preset": "ultrafast", "crf": "18", "threads": "1"}
+        stream.codec_context.thread_count = 1
+        for i in range(scene.num_frames):
+            vf = av.VideoFrame.from_ndarray(render_frame(scene, i / scene.fps), format="rgb24")
+            for packet in stream.encode(vf):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_image(path: Path, scene: Scene) -> None:
+    """Save the scene's single frame as PNG."""
+    from PIL import Image
+
+    Image.fromarray(render_frame(scene, 0.0)).save(path, format="PNG")
+
+
+# ------------------------------------------------------------------------------------------- scenes
+
+
+def _mc(rng: np.random.Generator, correct: str, pool: list[str], k: int = 4) -> tuple[list[str], str]:
+    others = [p for p in pool if p != correct]
+    picks = list(rng.choice(others, size=min(k - 1, len(others)), replace=False))
+    opts = [correct] + [str(p) for p in picks]
+    rng.shuffle(opts)
+    return opts, LETTERS[opts.index(correct)]
+
+
+def _mc_text(question: str, choices: list[str]) -> str:
+    lines = [question, "Options:"] + [f"{LETTERS[i]}. {c}" for i, c in enumerate(choices)]
+    return "\n".join(lines) + "\nAnswer with the option's letter."
+
+
+def _grid_time(rng: np.random.Generator, lo: float, hi: float) -> float:
+    """A multiple of GRID in [lo, hi] (hi >= lo)."""
+    a, b = int(math.ceil(lo / GRID - 1e-9)), int(math.floor(hi / GRID + 1e-9))
+    return GRID * int(rng.integers(a, max(a, b) + 1))
+
+
+def _free_pos(rng: np.random.Generator, w: int, h: int, r: float, taken: list[tuple[float, float, float]]):
+    for _ in range(50):
+        x, y = rng.uniform(r + 1, w - r - 1), rng.uniform(r + 1, h - r - 1)
+        if all((x - a) ** 2 + (y - b) ** 2 > (r + c + 4) ** 2 for a, b, c in taken):
+            taken.append((x, y, r))
+            return x, y
+    taken.append((x, y, r))
+    return x, y
+
+
+def _distinct_objects(rng: np.random.Generator, k: int) -> list[tuple[str, str]]:
+    """k (shape, colour) pairs with all shapes distinct and all colours distinct (k <= 4)."""
+    shapes = [str(s) for s in rng.choice(SHAPES, size=k, replace=False)]
+    colors = [str(c) for c in rng.choice(list(COLORS), size=k, replace=False)]
+    return list(zip(shapes, colors))
+
+
+def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
+    """Draw one scene (video unless ``image``) with a question of type ``qtype``; see the module table."""
+    w, h = (int(rng.choice(SIDES)), int(rng.choice(SIDES)))
+    side = min(w, h)
+    fps = 0 if image else int(rng.choice(FPS_CHOICES))
+    duration = 0.0 if image else GRID * int(rng.integers(4, 17))  # 2 .. 8 s
+    r_lo, r_hi = side / 14, side / 8
+    taken: list[tuple[float, float, float]] = []
+    objs: list[Obj] = []
+    events: list[dict[str, Any]] = []
+    choices: list[str] | None = None
+    tol: float | None = None
+
+    def static(shape: str, color: str, **kw: Any) -> Obj:
+        r = float(rng.uniform(r_lo, r_hi))
+        x, y = _free_pos(rng, w, h, r, taken)
+        o = Obj(shape, color, r, x, y, **kw)
+        objs.append(o)
+        return o
+
+    if qtype in ("color", "shape"):
+        pairs = _distinct_objects(rng, int(rng.integers(1, 4)))
+        for s, c in pairs:
+            static(s, c)
+        s, c = pairs[0]
+        if qtype == "color":
+            choices, ans = _mc(rng, c, list(COLORS))
+            text = _mc_text(f"What colour is the {s}?", choices)
+        else:
+            choices, ans = _mc(rng, s, list(SHAPES))
+            text = _mc_text(f"What shape is the {c} object?", choices)
+        kind = "mc"
+    elif qtype == "count":
+        n = int(rng.integers(1, 6))
+        for _ in range(n):
+            s, c = str(rng.choice(SHAPES)), str(rng.choice(list(COLORS)))
+            if image:
+                static(s, c)
+                continue
+            t_a = _grid_time(rng, 0, duration - 1.0)
+            t_v = _grid_time(rng, t_a + 1.0, duration) if rng.random() < 0.3 else math.inf
+            o = static(s, c, t_appear=t_a, t_vanish=t_v if t_v < duration else math.inf)
+            events.append({"t": t_a, "event": "appear", "object": o.name})
+        ans, kind = str(n), "numeric"
+        text = (
+            "How many shapes are in the image?"
+            if image
+            else "How many shapes appear in the video in total? Count each shape once."
+        ) + " Answer with a number."
+    elif qtype == "position":
+        (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
+        r1, r2 = float(rng.uniform(r_lo, r_hi)), float(rng.uniform(r_lo, r_hi))
+        xa = rng.uniform(r1 + 1, w / 2 - r1 - 2)
+        xb = rng.uniform(w / 2 + r2 + 2, w - r2 - 1)
+        left_first = rng.random() < 0.5
+        xa, xb = (xa, xb) if left_first else (xb, xa)
+        objs.append(Obj(s1, c1, r1, xa, rng.uniform(r1 + 1, h - r1 - 1)))
+        objs.append(Obj(s2, c2, r2, xb, rng.uniform(r2 + 1, h - r2 - 1)))
+        choices = ["left", "right"]
+        ans = "A" if left_first else "B"
+        text = _mc_text(f"Is the {c1} {s1} to the left or to the right of the {c2} {s2}?", choices)
+        kind = "mc"
+    elif qtype in ("direction", "when_leave"):
+        (s, c), *rest = _distinct_objects(rng, int(rng.integers(1, 3)))
+        dname = str(rng.choice(list(DIRECTIONS)))
+        ux, uy = DIRECTIONS[dname]
+        r = float(rng.uniform(r_lo, r_hi))
+        span = w if ux else h
+        t_a = _grid_time(rng, 0, max(0.0, duration - 2.0))
+        if qtype == "when_leave":
+            t_l = _grid_time(rng, t_a + 1.0, duration - GRID)
+            start = float(rng.uniform(r + 1, span / 2))  # distance from the side it moves away from
+            speed = (span + r - start) / (t_l - t_a)
+        else:
+            start = float(rng.uniform(r + 1, span / 3))
+            speed = float(rng.uniform(0.4, 0.6)) * (span - 2 * r - start) / max(duration - t_a, 1.0)
+            t_l = math.inf
+        pos_along = start if (ux > 0 or uy > 0) else span - start
+        cross = float(rng.uniform(r + 1, (h if ux else w) - r - 1))
+        x, y = (pos_along, cross) if ux else (cross, pos_along)
+        mover = Obj(s, c, r, x, y, ux * speed, uy * speed, t_appear=t_a, t_vanish=t_l)
+        objs.append(mover)
+        taken.append((x, y, r))
+        for s2, c2 in rest:  # a static distractor away from the path
+            static(s2, c2)
+        events.append({"t": t_a, "event": "appear", "object": mover.name})
+        if qtype == "direction":
+            choices = list(DIRECTIONS)
+            ans = LETTERS[choices.index(dname)]
+            text = _mc_text(f"In which direction does the {c} {s} move?", choices)
+            kind = "mc"
+        else:
+            events.append({"t": t_l, "event": "leave", "object": mover.name})
+            ans, kind, tol = f"{t_l:.1f}", "numeric", GRID
+            text = f"At what time (in seconds) has the {c} {s} completely left the frame? Answer with a number."
+    elif qtype == "order":
+        k = int(rng.integers(2, 4))
+        pairs = _distinct_objects(rng, k)
+        t0 = _grid_time(rng, 0, max(0.0, duration - k * 1.0 - 0.5))
+        times = [t0]
+        for _ in range(k - 1):
+            times.append(times[-1] + GRID * int(rng.integers(1, 3)))  # 0.5 or 1.0 s later
+        for (s, c), t in zip(pairs, times):
+            o = static(s, c, t_appear=t)
+            events.append({"t": t, "event": "appear", "object": o.name})
+        names = [f"the {c} {s}" for s, c in pairs]
+        choices = list(names)
+        rng.shuffle(choices)
+        ans = LETTERS[choices.index(names[0])]
+        text = _mc_text("Which shape appears first?", choices)
+        kind = "mc"
+    elif qtype in ("color_change", "when_change"):
+        (s, c), *rest = _distinct_objects(rng, int(rng.integers(1, 3)))
+        new = str(rng.choice([k for k in COLORS if k != c]))
+        t_c = _grid_time(rng, GRID, duration - GRID)
+        o = static(s, c, t_change=t_c, new_color=new)
+        for s2, c2 in rest:
+            static(s2, c2)
+        events.append({"t": t_c, "event": "change", "object": o.name, "to": new})
+        if qtype == "color_change":
+            choices, ans = _mc(rng, new, [k for k in COLORS if k != c])
+            text = _mc_text(f"The {c} {s} changes colour. What colour does it become?", choices)
+            kind = "mc"
+        else:
+            ans, kind, tol = f"{t_c:.1f}", "numeric", GRID
+            text = f"At what time (in seconds) does the {s} change colour? Answer with a number."
+    elif qtype == "when_collide":
+        (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
+        r1, r2 = float(rng.uniform(r_lo, r_hi * 0.8)), float(rng.uniform(r_lo, r_hi * 0.8))
+        t_c = _grid_time(rng, 1.0, duration - GRID)
+        y = float(rng.uniform(max(r1, r2) + 1, h - max(r1, r2) - 1))
+        meet = float(rng.uniform(w * 0.35, w * 0.65))
+        # Each starts inside the frame at t=0 and reaches contact at t_c: left one moves right, right one left.
+        v1 = rng.uniform(0.5, 1.0) * (meet - r1 - (r1 + 1)) / t_c
+        v2 = rng.uniform(0.5, 1.0) * ((w - r2 - 1) - (meet + r2)) / t_c
+        a = Obj(s1, c1, r1, meet - r1 - v1 * t_c, y, v1, 0.0, bounce_at=t_c)
+        b = Obj(s2, c2, r2, meet + r2 + v2 * t_c, y, -v2, 0.0, bounce_at=t_c)
+        objs += [a, b]
+        events.append({"t": t_c, "event": "collide", "objects": [a.name, b.name]})
+        ans, kind, tol = f"{t_c:.1f}", "numeric", GRID
+        text = f"At what time (in seconds) do the {c1} {s1} and the {c2} {s2} touch? Answer with a number."
+    elif qtype == "when_appear":
+        pairs = _distinct_objects(rng, int(rng.integers(1, 3)))
+        t_a = _grid_time(rng, GRID, duration - 1.0)
+        o = static(*pairs[0], t_appear=t_a)
+        for s2, c2 in pairs[1:]:
+            static(s2, c2)
+        events.append({"t": t_a, "event": "appear", "object": o.name})
+        ans, kind, tol = f"{t_a:.1f}", "numeric", GRID
+        text = f"At what time (in seconds) does the {o.name} appear? Answer with a number."
+    elif qtype == "detail":
+        # A tiny shape (about 4% of the frame side) visible for 1 s among big distractors: the answer is in
+        # the high-resolution detail of the few frames that show it.
+        for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3))):
+            static(s2, c2)
+        s = str(rng.choice(SHAPES))
+        r = max(4.0, side * 0.04)
+        x, y = _free_pos(rng, w, h, r, taken)
+        t_a = _grid_time(rng, 0, duration - 1.0)
+        tiny = Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0)
+        objs.append(tiny)
+        events.append({"t": t_a, "event": "appear", "object": "tiny white " + s})
+        choices, ans = _mc(rng, s, list(SHAPES))
+        text = _mc_text("A tiny white shape is shown briefly. What shape is it?", choices)
+        kind = "mc"
+    else:
+        raise KeyeConfigError(f"unknown question type {qtype!r}")
+    return Scene(w, h, fps, duration, objs, qtype, text, ans, kind, choices, tol, events)
+
+
+# ------------------------------------------------------------------------------------------ samples
+
+
+def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The generator that fully determines sample ``index`` of ``split``."""
+    return np.random.default_rng([int(seed), SPLIT_CODES[split], int(index)])
+
+
+def _weighted(rng: np.random.Generator, table: dict[str, float]) -> str:
+    keys = list(table)
+    p = np.asarray([table[k] for k in keys], dtype=float)
+    return str(keys[int(rng.choice(len(keys), p=p / p.sum()))])
+
+
+def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float) -> dict[str, Any]:
+    """Render sample ``index`` of ``split`` into ``out_dir/media/<split>/`` and return its manifest row.
+
+    The row's media path is relative to ``out_dir`` (the manifest root).
+    """
+    rng = sample_rng(seed, split, index)
+    image = bool(rng.random() < image_fraction)
+    qtype = _weighted(rng, IMAGE_TYPES if image else VIDEO_TYPES)
+    scene = make_scene(rng, qtype, image)
+    sid = f"{split}-{index:06d}"
+    rel = Path("media") / split / (f"{index:06d}.png" if image else f"{index:06d}.mp4")
+    dest = Path(out_dir) / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if image:
+        write_image(dest, scene)
+        media_item: dict[str, Any] = {"type": "image", "image": str(rel)}
+    else:
+        write_video(dest, scene)
+        media_item = {"type": "video", "video": str(rel)}
+    row: dict[str, Any] = {
+        "id": sid,
+        "messages": [
+            {"role": "user", "content": [media_item, {"type": "text", "text": scene.question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": scene.answer}]},
+        ],
+        "answer": scene.answer,
+        "answer_kind": scene.answer_kind,
+        "question_type": scene.question_type,
+    }
+    if scene.choices is not None:
+        row["choices"] = scene.choices
+    if scene.tolerance is not None:
+        row["tolerance"] = scene.tolerance
+    row["meta"] = {
+        "modality": "image" if image else "video",
+        "width": scene.width,
+        "height": scene.height,
+        "fps": scene.fps,
+        "duration": scene.duration,
+        "num_frames": scene.num_frames,
+        "events": scene.events,
+    }
+    return row
+
+
+def _make_star(args: tuple[str, str, int, int, float]) -> dict[str, Any]:
+    return make_sample(*args)
+
+
+def generate_split(
+    out_dir: str | os.PathLike[str],
+    split: str,
+    n: int,
+    *,
+    seed: int = 0,
+    workers: int | None = None,
+    image_fraction: float = 0.1,
+    progress: bool = True,
+    chunksize: int = 8,
+) -> Path:
+    """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``.
+
+    Args:
+        workers: process-pool size (default: all CPUs); 0 renders in this process.
+        image_fraction: share of image-only samples (0..1).
+        progress: show a tqdm bar.
+
+    Returns:
+        The manifest path. Rows are in index order whatever the worker count.
+
+    Raises:
+        KeyeConfigError: unknown split, negative ``n`` or ``image_fraction`` outside [0, 1].
+    """
+    if split not in SPLIT_CODES:
+        raise KeyeConfigError(f"unknown split {split!r} (expected one of {', '.join(SPLIT_CODES)})")
+    if n < 0 or not 0.0 <= image_fraction <= 1.0:
+        raise KeyeConfigError(f"need n >= 0 and 0 <= image_fraction <= 1, got n={n}, {image_fraction}")
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(str(out), split, i, seed, image_fraction) for i in range(n)]
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
+    if workers <= 0 or n <= 1:
+        rows = [make_sample(*j) for j in bar(jobs, desc=f"synth {split}", unit="clip")]
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            rows = list(
+                bar(pool.map(_make_star, jobs, chunksize=chunksize), total=n, desc=f"synth {split}", unit="clip")
+            )
+    path = out / f"{split}.jsonl"
+    write_manifest(path, rows)
+    return path
+
+
+def generate(
+    out_dir: str | os.PathLike[str],
+    *,
+    train: int,
+    test: int,
+    seed: int = 0,
+    workers: int | None = None,
+    image_fraction: float = 0.1,
+    progress: bool = True,
+) -> dict[str, Path]:
+    """Generate both splits; returns ``{"train": path, "test": path}`` (see :func:`generate_split`)."""
+    return {
+        split: generate_split(
+            out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress
+        )
+        for split, n in (("train", train), ("test", test))
+    }
