@@ -1,0 +1,7 @@
+"""Benchmark evaluation: official prompts, answer extraction and scoring, batched resumable inference.
+
+Modules: :mod:`~keye.eval.mmmu`, :mod:`~keye.eval.mathvista`, :mod:`~keye.eval.videoqa` (Video-MME style),
+:mod:`~keye.eval.synth` (the synthetic set), :mod:`~keye.eval.keyechat` (Keye's response post-processing
+and thinking-mode switches), :mod:`~keye.eval.runner` (engines, resumable predictions, data parallel),
+:mod:`~keye.eval.report` (markdown / JSON reports), :mod:`~keye.eval.cli` (``keye eval``).
+"""

@@ -25,11 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeInputError
+from keye.eval.extract import NUMBER_RE, answer_tail, last_number, leading_letter
 
 logger = logging.getLogger(__name__)
 
 HUB_ID = "AI4Math/MathVista"
-BREAKDOWN_KEYS = ("question_type", "answer_type", "language", "source", "category", "task", "context", "grade", "skills")
+BREAKDOWN_KEYS = (
+    "question_type",
+    "answer_type",
+    "language",
+    "source",
+    "category",
+    "task",
+    "context",
+    "grade",
+    "skills",
+)
 
 HINT_MULTI_CHOICE = (
     "Hint: Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
@@ -228,7 +239,12 @@ def problem_image(problem: Mapping[str, Any]) -> Any:
 def build_conversation(problem: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Return the one-turn conversation (qwen-vl-utils schema): the image, then the official ``query``."""
     query = problem.get("query") or build_query(problem)
-    return [{"role": "user", "content": [{"type": "image", "image": problem_image(problem)}, {"type": "text", "text": query}]}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": problem_image(problem)}, {"type": "text", "text": query}],
+        }
+    ]
 
 
 def record_for(problem: Mapping[str, Any], raw_output: str, response: str) -> dict[str, Any]:
@@ -236,7 +252,18 @@ def record_for(problem: Mapping[str, Any], raw_output: str, response: str) -> di
 
     ``raw_output`` is the decoded generation, ``response`` its post-processed form (what extraction sees).
     """
-    keep = ("pid", "question", "choices", "unit", "precision", "answer", "question_type", "answer_type", "metadata", "query")
+    keep = (
+        "pid",
+        "question",
+        "choices",
+        "unit",
+        "precision",
+        "answer",
+        "question_type",
+        "answer_type",
+        "metadata",
+        "query",
+    )
     rec = {k: problem.get(k) for k in keep}
     rec["id"] = str(problem["pid"])
     rec["raw_output"] = raw_output
@@ -267,8 +294,12 @@ class OpenAIJudge:
     :func:`extract_answer` does too).
     """
 
-    def __init__(self, url: str, model: str = "gpt-4o-mini", api_key: str | None = None, timeout: float = 60.0):
-        self.url = url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
+    def __init__(
+        self, url: str, model: str = "gpt-4o-mini", api_key: str | None = None, timeout: float = 60.0
+    ):
+        self.url = (
+            url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
+        )
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
@@ -289,38 +320,14 @@ class OpenAIJudge:
             raise KeyeInputError(f"judge request failed ({err})", path=self.url) from err
 
 
-_CUE_RE = re.compile(
-    r"(?:final answer|correct answer|the answer|answer|correct option|correct choice)\s*(?:is|:|=)\s*:?\s*",
-    re.IGNORECASE,
-)
-_LEADING_LETTER = re.compile(r"^\s*\**\(?([A-Z])\)?\**(?![A-Za-z0-9])")
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|-?\.\d+")
-_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)")
 _LIST = re.compile(r"\[[^\[\]]*\]")
-
-
-def _answer_tail(text: str) -> str:
-    matches = list(_CUE_RE.finditer(text))
-    return text[matches[-1].end() :].strip() if matches else text.strip()
-
-
-def _last_number(text: str) -> str | None:
-    matches = list(_NUMBER.finditer(text))
-    if not matches:
-        return None
-    last = matches[-1]
-    # "3/4" at the very end is a fraction, not the number 4.
-    fractions = [f for f in _FRACTION.finditer(text) if f.end() == last.end()]
-    if fractions and float(fractions[-1].group(2)) != 0:
-        return str(float(fractions[-1].group(1)) / float(fractions[-1].group(2)))
-    return last.group(0).replace(",", "")
 
 
 def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
     """Rule-based answer extraction used when no LLM judge is configured (ours, not official).
 
-    The *tail* is the text after the last answer cue (``answer is``, ``answer:``, ``final answer is``,
-    ``correct option is``, ...; case-insensitive), or the whole response without a cue.
+    The *tail* is :func:`keye.eval.extract.answer_tail`: the text after the last answer cue (``answer is``,
+    ``answer:``, ``final answer is``, ``correct option is``, ...; case-insensitive), or the whole response.
 
     - multiple choice: a letter opening the tail (``B``, ``(B)``, ``**B**``; uppercase only, so the article
       "a" is not read as a letter) that names a choice; else the last ``(x)`` in the response, returned as
@@ -337,14 +344,14 @@ def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
     text = response.strip()
     if not text:
         return ""
-    tail = _answer_tail(text)
+    tail = answer_tail(text)
     qtype, atype = problem.get("question_type"), problem.get("answer_type")
     if qtype == "multi_choice":
         choices = [str(c) for c in problem.get("choices") or []]
         letters = [chr(ord("A") + i) for i in range(len(choices))]
-        lead = _LEADING_LETTER.match(tail)
-        if lead and lead.group(1) in letters:
-            return lead.group(1)
+        lead = leading_letter(tail, letters)
+        if lead:
+            return lead
         in_parens = _LETTER_IN_PARENS.findall(text)
         if in_parens:
             return f"({in_parens[-1]})"
@@ -355,14 +362,14 @@ def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
                 return max(hits)[2]
         return tail
     if atype in ("integer", "float"):
-        number = _last_number(tail) or _last_number(text)
+        number = last_number(tail) or last_number(text)
         return number if number is not None else tail
     if atype == "list":
         lists = _LIST.findall(text)
         if lists:
             inner = [p.strip() for p in lists[-1][1:-1].split(",") if p.strip()]
             return "[" + ", ".join(inner) + "]"
-        numbers = [n.replace(",", "") for n in _NUMBER.findall(tail)]
+        numbers = [n.replace(",", "") for n in NUMBER_RE.findall(tail)]
         return "[" + ", ".join(numbers) + "]" if numbers else tail
     return tail.rstrip(".").strip()
 
@@ -526,7 +533,9 @@ def calculate_score(
         rows.append(row)
     total = len(rows)
     correct = sum(r["true_false"] for r in rows)
-    scores: dict[str, Any] = {"average": {"accuracy": correct / total if total else 0.0, "correct": correct, "total": total}}
+    scores: dict[str, Any] = {
+        "average": {"accuracy": correct / total if total else 0.0, "correct": correct, "total": total}
+    }
     for key in BREAKDOWN_KEYS:
         table: dict[Any, dict[str, Any]] = {}
         for value in _breakdown_values(rows, key):
@@ -567,7 +576,9 @@ def score_records(
             if "response" not in problem:
                 raise KeyeInputError("MathVista record has neither 'extraction' nor 'response'", item=pid)
             response = "" if problem["response"] is None else str(problem["response"])
-            problem["extraction"] = extract_answer(response, problem, judge=judge, quick_extract=quick_extract)
+            problem["extraction"] = extract_answer(
+                response, problem, judge=judge, quick_extract=quick_extract
+            )
         problems[pid] = problem
     scores, per_item = calculate_score(problems, ignore_empty_extractions=ignore_empty_extractions)
     for pid, info in per_item.items():

@@ -511,7 +511,10 @@ def aggregate(evaluation_result: Mapping[str, Mapping[str, Any]]) -> dict[str, d
     for domain, subjects in DOMAIN_CAT2SUB_CAT.items():
         in_domain = {s: evaluation_result[s] for s in subjects if s in evaluation_result}
         num = sum(r["num_example"] for r in in_domain.values())
-        printable[f"Overall-{domain}"] = {"num": int(num), "acc": round(calculate_ins_level_acc(in_domain), 3)}
+        printable[f"Overall-{domain}"] = {
+            "num": int(num),
+            "acc": round(calculate_ins_level_acc(in_domain), 3),
+        }
         for subject, res in in_domain.items():
             printable[subject] = {"num": int(res["num_example"]), "acc": round(res["acc"], 3)}
     printable["Overall"] = {
@@ -566,7 +569,12 @@ def score_eval_only(
             qtype = entry["question_type"]
             parsed = pred if qtype == "multiple-choice" else parse_open_response(str(pred))
             samples.append(
-                {"id": item_id, "question_type": qtype, "answer": entry["ground_truth"], "parsed_pred": parsed}
+                {
+                    "id": item_id,
+                    "question_type": qtype,
+                    "answer": entry["ground_truth"],
+                    "parsed_pred": parsed,
+                }
             )
         subject_judged, metrics = _evaluate_subject(samples)
         judged.update(subject_judged)
@@ -617,7 +625,12 @@ def score_records(
             else:
                 parsed = parse_open_response(response)
             samples.append(
-                {"id": rec["id"], "question_type": rec["question_type"], "answer": rec["answer"], "parsed_pred": parsed}
+                {
+                    "id": rec["id"],
+                    "question_type": rec["question_type"],
+                    "answer": rec["answer"],
+                    "parsed_pred": parsed,
+                }
             )
         judged, metrics = _evaluate_subject(samples)
         results[subject] = metrics

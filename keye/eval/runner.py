@@ -1,0 +1,394 @@
+"""Batched, resumable, data-parallel inference for the benchmarks.
+
+- :class:`Engine` is the one thing the runner needs from a model: ``generate(conversations, **gen_kwargs)``
+  returning one decoded string per conversation. :class:`KeyeEngine` wraps ``KeyeVL`` + ``KeyeProcessor``
+  (batched, left-padded, KV-cached ``model.generate``); tests use canned fakes.
+- :class:`PredictionStore` is an append-only JSONL of records keyed by ``id``; a run that crashed is resumed
+  by skipping the ids already present (a truncated last line from the crash is dropped).
+- :func:`run_inference` shards the items by rank (``i % world_size == rank``) under ``torchrun``; every rank
+  appends to its own part file and rank 0 gathers the parts into the final file (:func:`gather_parts`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from keye.errors import KeyeError, KeyeInputError
+from keye.eval.keyechat import post_process
+
+Conversation = list[dict[str, Any]]
+
+# Keye's recommended sampling (generation_config.json of the preview); the official evaluation is greedy.
+KEYE_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+GREEDY = {"do_sample": False}
+
+
+class Engine(Protocol):
+    """Anything that answers a batch of conversations."""
+
+    def generate(self, conversations: list[Conversation], **gen_kwargs: Any) -> list[str]:
+        """Return one decoded answer per conversation (same order, same length)."""
+        ...
+
+
+class KeyeEngine:
+    """Engine over a ``KeyeVL`` model and its ``KeyeProcessor``.
+
+    Args:
+        model: a model with ``generate(**batch, max_new_tokens=..., do_sample=..., ...) -> LongTensor [B, L+N]``
+            (prompt then new tokens).
+        processor: called as ``processor(conversations, return_tensors="pt", mode=mode)`` -> dict of tensors
+            (left-padded ``input_ids`` first dimension B), with ``batch_decode(ids, skip_special_tokens=True)``.
+        batch_size: conversations per ``model.generate`` call (>= 1).
+        max_new_tokens: generation budget per answer.
+        do_sample, temperature, top_p, top_k: decoding; greedy by default (the official Keye evaluation),
+            see :data:`KEYE_SAMPLING` for Keye's sampling settings. Sampling parameters are only passed when
+            ``do_sample`` is true.
+        mode: ``"think"``, ``"no_think"``, ``"auto"`` or None, handed to the processor, which appends Keye's
+            ``/think`` / ``/no_think`` switch.
+
+    Keyword arguments of :meth:`generate` override these settings for one call.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        batch_size: int = 1,
+        max_new_tokens: int = 2048,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        mode: str | None = None,
+    ):
+        if batch_size < 1 or max_new_tokens < 1:
+            raise KeyeInputError(
+                f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}"
+            )
+        self.model = model
+        self.processor = processor
+        self.batch_size = batch_size
+        self.settings: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+        }
+        self.mode = mode
+
+    def _device(self) -> Any:
+        try:
+            return next(self.model.parameters()).device
+        except (AttributeError, StopIteration):
+            return None
+
+    def generate(self, conversations: list[Conversation], **gen_kwargs: Any) -> list[str]:
+        """Answer ``conversations`` in chunks of ``batch_size``; returns the decoded new tokens per item."""
+        import torch
+
+        settings = {**self.settings, **gen_kwargs}
+        kwargs = {"max_new_tokens": int(settings["max_new_tokens"]), "do_sample": bool(settings["do_sample"])}
+        if kwargs["do_sample"]:
+            kwargs.update(
+                {k: settings[k] for k in ("temperature", "top_p", "top_k") if settings[k] is not None}
+            )
+        device = self._device()
+        answers: list[str] = []
+        for start in range(0, len(conversations), self.batch_size):
+            chunk = conversations[start : start + self.batch_size]
+            batch = self.processor(chunk, return_tensors="pt", mode=self.mode)
+            batch = {
+                k: (v.to(device) if device is not None and hasattr(v, "to") else v)
+                for k, v in dict(batch).items()
+            }
+            with torch.inference_mode():
+                ids = self.model.generate(**batch, **kwargs)
+            new_tokens = ids[:, batch["input_ids"].shape[1] :]
+            answers.extend(self.processor.batch_decode(new_tokens, skip_special_tokens=True))
+        return answers
+
+
+# ------------------------------------------------------------------------------------------ storage
+
+
+class PredictionStore:
+    """Append-only JSONL file of prediction records, each a JSON object with a unique ``id``.
+
+    Reading tolerates a crash mid-write: an undecodable *last* line is dropped (and cut from the file, so the
+    next append starts on a clean line); an undecodable line elsewhere raises ``KeyeInputError`` naming it.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        """Return ``{id: record}`` of the stored records, in file order (later duplicates win)."""
+        if not self.path.exists():
+            return {}
+        data = self.path.read_bytes()
+        records: dict[str, dict[str, Any]] = {}
+        pos, line_no = 0, 0
+        while pos < len(data):
+            newline = data.find(b"\n", pos)
+            end = len(data) if newline < 0 else newline + 1
+            raw = data[pos:end]
+            line_no += 1
+            if raw.strip():
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                    if not isinstance(rec, dict) or "id" not in rec:
+                        raise ValueError("not an object with an 'id'")
+                except (ValueError, UnicodeDecodeError) as err:
+                    if end >= len(data):
+                        # The crash cut the last record short: forget it (it is answered again).
+                        self._truncate(pos)
+                        return records
+                    raise KeyeInputError(
+                        f"line {line_no} is not a valid record ({err})", path=self.path
+                    ) from err
+                records[str(rec["id"])] = rec
+            pos = end
+        if data and not data.endswith(b"\n"):
+            # The last record is complete but its newline was lost: restore it before anything is appended.
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
+        return records
+
+    def _truncate(self, size: int) -> None:
+        with open(self.path, "r+b") as f:
+            f.truncate(size)
+
+    def append(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Append records (one JSON line each), flushed and fsynced so a crash loses at most the last line."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False, default=_json_default) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Return the records of a predictions JSONL (see :class:`PredictionStore`) in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise KeyeInputError("predictions file not found", path=path)
+    return list(PredictionStore(path).load().values())
+
+
+def part_path(out_path: str | Path, rank: int, world_size: int) -> Path:
+    """The file rank ``rank`` writes to: ``out_path`` itself for one process, else ``<stem>.rank<r>.jsonl``."""
+    out_path = Path(out_path)
+    if world_size <= 1:
+        return out_path
+    return out_path.with_name(f"{out_path.stem}.rank{rank}{out_path.suffix}")
+
+
+def gather_parts(
+    out_path: str | Path, world_size: int, order: Sequence[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Merge every rank's part file into ``out_path`` (rank 0's job) and delete the parts.
+
+    Records already in ``out_path`` are kept; new ones are appended in ``order`` (item ids) when given.
+    Returns the merged ``{id: record}``.
+    """
+    store = PredictionStore(out_path)
+    merged = store.load()
+    new: dict[str, dict[str, Any]] = {}
+    parts = [part_path(out_path, r, world_size) for r in range(world_size)] if world_size > 1 else []
+    for part in parts:
+        if part.exists():
+            for item_id, rec in PredictionStore(part).load().items():
+                if item_id not in merged:
+                    new[item_id] = rec
+    if order is not None:
+        rank_of = {item_id: i for i, item_id in enumerate(order)}
+        new = dict(sorted(new.items(), key=lambda kv: rank_of.get(kv[0], len(rank_of))))
+    store.append(new.values())
+    for part in parts:
+        if part.exists():
+            part.unlink()
+    merged.update(new)
+    return merged
+
+
+# ------------------------------------------------------------------------------------- distribution
+
+
+def dist_info() -> tuple[int, int]:
+    """Return ``(rank, world_size)``: from ``torch.distributed`` when initialised, else ``RANK`` /
+    ``WORLD_SIZE`` environment variables (set by torchrun), else ``(0, 1)``."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise ``torch.distributed`` when launched by torchrun with several processes (NCCL on GPU, gloo
+    on CPU; the CUDA device is ``LOCAL_RANK``); returns ``(rank, world_size)``."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist_info()
+
+
+def _barrier() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    except ImportError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------- the loop
+
+
+def run_inference(
+    items: Sequence[Mapping[str, Any]],
+    *,
+    engine: Engine,
+    to_conversation: Callable[[Mapping[str, Any]], Conversation],
+    to_record: Callable[[Mapping[str, Any], str, str], dict[str, Any]],
+    out_path: str | Path,
+    batch_size: int = 8,
+    rank: int | None = None,
+    world_size: int | None = None,
+    progress: bool = True,
+    gen_kwargs: Mapping[str, Any] | None = None,
+    postprocess: Callable[[str], str] = post_process,
+) -> list[dict[str, Any]]:
+    """Answer every item not yet in ``out_path`` and append its record; return the records of ``items``.
+
+    Args:
+        items: dicts with a unique ``id`` (plus whatever ``to_conversation`` / ``to_record`` read).
+        engine: answers conversations (see :class:`Engine`).
+        to_conversation: item -> conversation (qwen-vl-utils schema).
+        to_record: ``(item, raw_output, post_processed) -> record`` (JSON-serialisable, with ``id``).
+        out_path: the predictions JSONL; records already there (or in part files of a crashed multi-rank
+            run) are skipped, which makes the run resumable.
+        batch_size: items handed to ``engine.generate`` per call; a batch's records are written together.
+        rank, world_size: data-parallel position (default: :func:`dist_info`). Rank r answers items
+            ``i % world_size == r``; after a barrier rank 0 gathers the part files into ``out_path``.
+        progress: show a tqdm bar (rank 0 only).
+        gen_kwargs: extra keyword arguments for ``engine.generate``.
+        postprocess: raw output -> response the scorers see (Keye's post-processing by default).
+
+    Returns:
+        On rank 0 (or a single process): the records of all ``items`` present in ``out_path``, in item order.
+        On other ranks: the records this rank wrote.
+
+    Raises:
+        KeyeInputError: duplicate item ids, an item without id, or an engine returning the wrong number of
+            answers.
+    """
+    if rank is None or world_size is None:
+        rank, world_size = dist_info()
+    ids = []
+    for n, item in enumerate(items):
+        if "id" not in item:
+            raise KeyeInputError("item has no 'id'", item=n)
+        ids.append(str(item["id"]))
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise KeyeInputError("duplicate item id", item=dup)
+    done: set[str] = set(PredictionStore(out_path).load())
+    if world_size > 1:
+        for r in range(world_size):
+            if part_path(out_path, r, world_size).exists():
+                done.update(PredictionStore(part_path(out_path, r, world_size)).load())
+    todo = [item for i, item in enumerate(items) if i % world_size == rank and ids[i] not in done]
+    store = PredictionStore(part_path(out_path, rank, world_size))
+    mine: list[dict[str, Any]] = []
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(todo),
+        desc=f"eval rank {rank}" if world_size > 1 else "eval",
+        unit="item",
+        disable=not progress or rank != 0,
+    )
+    try:
+        for start in range(0, len(todo), max(1, batch_size)):
+            chunk = todo[start : start + max(1, batch_size)]
+            conversations = [to_conversation(item) for item in chunk]
+            outputs = engine.generate(conversations, **dict(gen_kwargs or {}))
+            if len(outputs) != len(chunk):
+                raise KeyeInputError(f"engine returned {len(outputs)} answers for {len(chunk)} conversations")
+            records = [to_record(item, str(out), postprocess(str(out))) for item, out in zip(chunk, outputs)]
+            store.append(records)
+            mine.extend(records)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    if world_size > 1:
+        _barrier()
+        if rank == 0:
+            gather_parts(out_path, world_size, order=ids)
+        _barrier()
+        if rank != 0:
+            return mine
+    stored = PredictionStore(out_path).load()
+    return [stored[i] for i in ids if i in stored]
+
+
+def load_engine(
+    model_id: str,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    **engine_kwargs: Any,
+) -> KeyeEngine:
+    """Build a :class:`KeyeEngine` from a checkpoint path / hub id (``keye.KeyeVL.from_pretrained`` and
+    ``keye.KeyeProcessor.from_pretrained``), on ``device`` (default: ``cuda:LOCAL_RANK`` when CUDA is
+    available, else CPU) in ``dtype`` (``bfloat16``, ``float16``, ``float32``; default: the checkpoint's).
+
+    Raises ``KeyeError`` subclasses from the loaders; an unknown dtype raises ``KeyeInputError``.
+    """
+    import torch
+
+    import keye
+
+    if device is None:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    torch_dtype = None
+    if dtype is not None:
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise KeyeInputError(f"unknown dtype {dtype!r}; expected bfloat16, float16 or float32")
+        torch_dtype = getattr(torch, dtype)
+    try:
+        model = keye.KeyeVL.from_pretrained(model_id)
+        processor = keye.KeyeProcessor.from_pretrained(model_id)
+    except KeyeError:
+        raise
+    except OSError as err:
+        raise KeyeInputError(f"cannot load model {model_id!r} ({err})") from err
+    model = model.to(device=device, dtype=torch_dtype) if torch_dtype is not None else model.to(device)
+    model.eval()
+    return KeyeEngine(model, processor, **engine_kwargs)
