@@ -120,12 +120,18 @@ def varlen_attention(
     if len(lengths) == 1:
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         return _dense(qb, kb, vb, None, scale, causal, backend)[0].transpose(0, 1)
-    # Group equal-length segments so that e.g. all frames of a video run as one batched call.
+    # Group equal-length segments so that e.g. all frames of a video run as one batched call;
+    # a segment with a unique length is a plain slice (no gather/scatter copies).
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         if n:
             groups.setdefault(n, []).append(i)
     for n, seg_ids in groups.items():
+        if len(seg_ids) == 1:
+            a = bounds[seg_ids[0]]
+            qb, kb, vb = (x[a : a + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out[a : a + n] = _dense(qb, kb, vb, None, scale, causal, backend)[0].transpose(0, 1)
+            continue
         starts = torch.tensor([bounds[i] for i in seg_ids], device=q.device)
         index = (starts[:, None] + torch.arange(n, device=q.device)[None, :]).reshape(-1)
         qb, kb, vb = (x.index_select(0, index).view(len(seg_ids), n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))

@@ -1,0 +1,160 @@
+"""Model speed and memory claims, measured on CPU with a small random Keye-VL.
+
+  (a) packed vision tower vs a per-image loop on 8 mixed-size images        -> speedup
+  (b) prefill tokens/s                                                      -> (absolute)
+  (c) decode tokens/s with the KV cache vs recomputing the full prefix       -> speedup
+  (d) peak memory of the packed tower on 8 images vs one dense
+      block-diagonal N x N mask over the whole pack                         -> memory ratio
+
+Each part prints its ratio as its last line; the script's last line is (d).
+Usage: python benchmarks/model.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from keye.config import TextConfig, VisionConfig, tiny_config
+from keye.model import vision as vision_mod
+from keye.testing.model import init_unit_scale
+
+GRIDS = [(1, 24, 32), (1, 16, 16), (1, 8, 40), (1, 32, 20), (1, 12, 12), (1, 20, 28), (1, 4, 6), (1, 28, 24)]
+
+
+def bench_config():
+    return tiny_config(
+        text=TextConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=32, mrope_section=(4, 6, 6)),
+        vision=VisionConfig(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                            image_size=112, patch_size=14),
+    )
+
+
+def build():
+    from keye.model.keye_vl import KeyeVL
+
+    torch.manual_seed(0)
+    return init_unit_scale(KeyeVL(bench_config())).eval()
+
+
+def median_time(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def pixels(grids):
+    return torch.randn(sum(t * h * w for t, h, w in grids), 3, 14, 14)
+
+
+@torch.no_grad()
+def part_a(model, repeats):
+    pix = pixels(GRIDS)
+    chunks = pix.split([t * h * w for t, h, w in GRIDS])
+    packed = median_time(lambda: model.visual(pix, GRIDS), repeats)
+    loop = median_time(lambda: [model.visual(c, [g]) for c, g in zip(chunks, GRIDS)], repeats)
+    print(f"(a) vision tower, 8 mixed images ({pix.shape[0]} patches): packed {packed * 1e3:.1f} ms, "
+          f"per-image loop {loop * 1e3:.1f} ms (median of {repeats})")
+    print(f"(a) speedup packed vs per-image loop: {loop / packed:.2f}x")
+
+
+@torch.no_grad()
+def part_b(model, repeats):
+    ids = torch.randint(0, 4000, (1, 1024))
+    t = median_time(lambda: model(input_ids=ids, logits_to_keep=1), repeats)
+    print(f"(b) prefill of 1024 tokens: {t * 1e3:.1f} ms")
+    print(f"(b) prefill throughput: {1024 / t:.0f} tokens/s")
+
+
+@torch.no_grad()
+def part_c(model, repeats):
+    ids = torch.randint(0, 4000, (1, 256))
+    n_new = 32
+
+    def cached():
+        model.generate(ids, max_new_tokens=n_new, eos_token_id=[])
+
+    def uncached():
+        seq = ids
+        for _ in range(n_new):
+            nxt = model(input_ids=seq, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+
+    tc = median_time(cached, repeats)
+    tu = median_time(uncached, repeats)
+    print(f"(c) decode {n_new} tokens after a 256-token prompt: with cache {n_new / tc:.0f} tok/s, "
+          f"without {n_new / tu:.0f} tok/s")
+    print(f"(c) speedup KV cache vs full recompute: {tu / tc:.2f}x")
+
+
+def _dense_block_attention(q, k, v, cu_seqlens, *, scale, causal, backend="sdpa"):
+    """Baseline: one dense N x N block-diagonal mask over the whole pack."""
+    n = q.shape[0]
+    seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+    mask = seg[:, None] == seg[None, :]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1).reshape(n, *q.shape[1:])
+
+
+def _current_rss_kib():
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 1024
+
+
+def _peak_child(dense, queue):
+    torch.set_num_threads(2)
+    model = build()
+    pix = pixels(GRIDS)
+    if dense:
+        vision_mod.varlen_attention = _dense_block_attention
+    before = _current_rss_kib()
+    with torch.no_grad():
+        model.visual(pix, GRIDS)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    queue.put((after - before) / 1024)  # KiB -> MiB
+
+
+def peak_mib(dense):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_peak_child, args=(dense, q))
+    p.start()
+    p.join()
+    return q.get()
+
+
+def part_d(repeats):
+    packed = statistics.median(peak_mib(False) for _ in range(max(1, repeats // 2)))
+    dense = statistics.median(peak_mib(True) for _ in range(max(1, repeats // 2)))
+    print(f"(d) peak extra memory of the tower on 8 images: packed varlen {packed:.0f} MiB, "
+          f"dense block-diagonal mask {dense:.0f} MiB")
+    print(f"(d) memory ratio dense mask / packed varlen: {dense / max(packed, 1e-3):.2f}x")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    model = build()
+    part_a(model, args.repeats)
+    part_b(model, args.repeats)
+    part_c(model, args.repeats)
+    part_d(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
