@@ -232,6 +232,7 @@ class KeyeVL(nn.Module):
         loss_reduction: str = "mean",
         output_hidden_states: bool = False,
         inputs_embeds: torch.Tensor | None = None,
+        attention_override=None,
     ) -> KeyeOutput:
         """One forward pass.
 
@@ -253,6 +254,10 @@ class KeyeVL(nn.Module):
             logits_to_keep: > 0 computes logits for the last n positions only.
             loss_reduction: ``"mean"`` over target tokens or ``"sum"`` (for normalising by a global
                 token count across micro-batches and ranks).
+            attention_override: a callable ``f(q, k, v, *, layer_idx, scale) -> out`` replacing the
+                decoder's attention (q [B, Hq, L, d], k/v [B, Hkv, L, d] after q/k norm and RoPE; out
+                like q). Used for custom patterns such as shared-prefix tree batches; pass explicit
+                ``position_ids`` with it.
         """
         del num_frames
         cache = past_key_values
@@ -292,7 +297,7 @@ class KeyeVL(nn.Module):
         key_mask = attention_mask
         if key_mask is not None and cache is None and bool(key_mask.all()):
             key_mask = None
-        hidden = self.model(inputs_embeds, cos, sin, key_mask, cache, cu_seqlens)
+        hidden = self.model(inputs_embeds, cos, sin, key_mask, cache, cu_seqlens, attention_override)
 
         keep = hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:]
         logits = self.lm_head(keep)

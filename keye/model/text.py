@@ -89,14 +89,17 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.backend = "sdpa"
 
-    def forward(self, x, cos, sin, key_mask=None, cache: KVCache | None = None, cu_seqlens=None):
+    def forward(self, x, cos, sin, key_mask=None, cache: KVCache | None = None, cu_seqlens=None, attn_override=None):
         bsz, seq, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_text_rope(q, cos, sin)
         k = apply_text_rope(k, cos, sin)
-        if cu_seqlens is not None:
+        if attn_override is not None:
+            # Custom attention pattern (e.g. shared-prefix tree batches): q [B, Hq, L, d], k/v [B, Hkv, L, d].
+            o = attn_override(q, k, v, layer_idx=self.layer_idx, scale=self.scale)
+        elif cu_seqlens is not None:
             # Packed samples in one row: causal attention inside each sample only.
             o = varlen_attention(
                 q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens,
@@ -128,8 +131,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = TextMLP(cfg)
 
-    def forward(self, x, cos, sin, key_mask=None, cache=None, cu_seqlens=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_mask, cache, cu_seqlens)
+    def forward(self, x, cos, sin, key_mask=None, cache=None, cu_seqlens=None, attn_override=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_mask, cache, cu_seqlens, attn_override)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -143,13 +146,13 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
 
-    def forward(self, inputs_embeds, cos, sin, key_mask=None, cache=None, cu_seqlens=None):
+    def forward(self, inputs_embeds, cos, sin, key_mask=None, cache=None, cu_seqlens=None, attn_override=None):
         x = inputs_embeds
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(layer, x, cos, sin, key_mask, None, cu_seqlens, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, key_mask, None, cu_seqlens, attn_override, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, key_mask, cache, cu_seqlens)
+                x = layer(x, cos, sin, key_mask, cache, cu_seqlens, attn_override)
         if cache is not None:
             cache.advance(inputs_embeds.shape[1])
         return self.norm(x)

@@ -438,3 +438,21 @@ def test_unit_scale_init_is_deterministic():
     a = init_unit_scale(KeyeVL(tiny_config()), seed=5).state_dict()
     b = init_unit_scale(KeyeVL(tiny_config()), seed=5).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_attention_override_reproduces_default(tiny):
+    from keye.model.attention import padded_attention
+
+    calls = []
+
+    def causal(q, k, v, *, layer_idx, scale):
+        calls.append(layer_idx)
+        return padded_attention(q, k, v, None, scale=scale, causal=True)
+
+    ids = _prompt([3, ("img", 6), 5], seed=12)
+    kw = dict(input_ids=ids, pixel_values=_pixels((1, 4, 6), 2), image_grid_thw=torch.tensor([[1, 4, 6]]))
+    with torch.no_grad():
+        ref = tiny(**kw)
+        got = tiny(**kw, position_ids=ref.position_ids, attention_override=causal)
+    assert calls == [0, 1]
+    assert torch.allclose(ref.logits, got.logits, atol=1e-6)
