@@ -86,7 +86,8 @@ def length_buckets(
     """Group indices of similar length into padded batches.
 
     Items are sorted by (length // bucket_width, index) and cut into batches of ``batch_size`` items, or of
-    as many items as keep ``len(batch) * max_length <= batch_tokens`` (the padded tensor size). A stable sort
+    as many items as keep ``len(batch) * max_length <= batch_tokens`` (the padded tensor size); a batch never
+    mixes buckets. A stable sort
     keeps the order within a bucket, so a pre-shuffled index order stays shuffled inside buckets.
 
     Returns:
@@ -102,21 +103,22 @@ def length_buckets(
     batches: list[list[int]] = []
     cur: list[int] = []
     cur_max = 0
+    cur_bucket = None
     for i in order:
-        if batch_size is not None:
-            if len(cur) == batch_size:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-            continue
-        if lengths[i] > batch_tokens:
+        bucket = lengths[i] // bucket_width
+        if batch_tokens is not None and lengths[i] > batch_tokens:
             raise KeyeConfigError(f"sample {i} has {lengths[i]} tokens, more than batch_tokens {batch_tokens}")
         new_max = max(cur_max, lengths[i])
-        if cur and (len(cur) + 1) * new_max > batch_tokens:
+        full = (
+            len(cur) == batch_size
+            if batch_size is not None
+            else (len(cur) + 1) * new_max > batch_tokens  # type: ignore[operator]
+        )
+        if cur and (full or bucket != cur_bucket):
             batches.append(cur)
             cur, new_max = [], lengths[i]
         cur.append(i)
-        cur_max = new_max
+        cur_max, cur_bucket = new_max, bucket
     if cur:
         batches.append(cur)
     return batches

@@ -58,6 +58,7 @@ SIDES = (112, 168, 224)
 FPS_CHOICES = (4, 6, 8)
 LETTERS = "ABCDEFGH"
 GRID = 0.5  # seconds; event times are multiples of this
+SQUARE_HALF = 0.85  # a square's half side, relative to the object's size (keeps areas comparable)
 
 VIDEO_TYPES: dict[str, float] = {
     "color": 1.0,
@@ -144,7 +145,7 @@ def _shape_mask(shape: str, xs: np.ndarray, ys: np.ndarray, cx: float, cy: float
     if shape == "circle":
         return dx * dx + dy * dy <= r * r
     if shape == "square":
-        s = r * 0.85
+        s = r * SQUARE_HALF
         return (np.abs(dx) <= s) & (np.abs(dy) <= s)
     if shape == "diamond":
         return np.abs(dx) + np.abs(dy) <= r
@@ -229,10 +230,11 @@ def _free_pos(rng: np.random.Generator, w: int, h: int, r: float, taken: list[tu
     return x, y
 
 
-def _distinct_objects(rng: np.random.Generator, k: int) -> list[tuple[str, str]]:
-    """k (shape, colour) pairs with all shapes distinct and all colours distinct (k <= 4)."""
+def _distinct_objects(rng: np.random.Generator, k: int, avoid: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """k (shape, colour) pairs with all shapes distinct and all colours distinct (k <= 4), no colour in
+    ``avoid``."""
     shapes = [str(s) for s in rng.choice(SHAPES, size=k, replace=False)]
-    colors = [str(c) for c in rng.choice(list(COLORS), size=k, replace=False)]
+    colors = [str(c) for c in rng.choice([c for c in COLORS if c not in avoid], size=k, replace=False)]
     return list(zip(shapes, colors))
 
 
@@ -368,11 +370,13 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
         t_c = _grid_time(rng, 1.0, duration - GRID)
         y = float(rng.uniform(max(r1, r2) + 1, h - max(r1, r2) - 1))
         meet = float(rng.uniform(w * 0.35, w * 0.65))
+        # Horizontal half-extents: the shapes touch when their extents meet at x = meet.
+        e1, e2 = r1 * (SQUARE_HALF if s1 == "square" else 1.0), r2 * (SQUARE_HALF if s2 == "square" else 1.0)
         # Each starts inside the frame at t=0 and reaches contact at t_c: left one moves right, right one left.
-        v1 = rng.uniform(0.5, 1.0) * (meet - r1 - (r1 + 1)) / t_c
-        v2 = rng.uniform(0.5, 1.0) * ((w - r2 - 1) - (meet + r2)) / t_c
-        a = Obj(s1, c1, r1, meet - r1 - v1 * t_c, y, v1, 0.0, bounce_at=t_c)
-        b = Obj(s2, c2, r2, meet + r2 + v2 * t_c, y, -v2, 0.0, bounce_at=t_c)
+        v1 = rng.uniform(0.5, 1.0) * (meet - e1 - (r1 + 1)) / t_c
+        v2 = rng.uniform(0.5, 1.0) * ((w - r2 - 1) - (meet + e2)) / t_c
+        a = Obj(s1, c1, r1, meet - e1 - v1 * t_c, y, v1, 0.0, bounce_at=t_c)
+        b = Obj(s2, c2, r2, meet + e2 + v2 * t_c, y, -v2, 0.0, bounce_at=t_c)
         objs += [a, b]
         events.append({"t": t_c, "event": "collide", "objects": [a.name, b.name]})
         ans, kind, tol = f"{t_c:.1f}", "numeric", GRID
@@ -389,7 +393,7 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
     elif qtype == "detail":
         # A tiny shape (about 4% of the frame side) visible for 1 s among big distractors: the answer is in
         # the high-resolution detail of the few frames that show it.
-        for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3))):
+        for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3)), avoid=("white",)):
             static(s2, c2)
         s = str(rng.choice(SHAPES))
         r = max(4.0, side * 0.04)

@@ -1,0 +1,115 @@
+"""Synthetic video-QA set: determinism, schema, and answers checked against the decoded pixels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+
+from keye.data.manifest import read_manifest
+from keye.data.probe import probe_file
+from keye.data.synth import COLORS, LETTERS, generate_split, make_scene, write_image, write_video
+
+
+def _frames(path: Path) -> list[np.ndarray]:
+    with av.open(str(path)) as c:
+        return [f.to_ndarray(format="rgb24").astype(int) for f in c.decode(video=0)]
+
+
+def _mask(frame: np.ndarray, color: str) -> np.ndarray:
+    # H.264 4:2:0 blurs edges; object interiors stay within a small distance of the drawn colour.
+    return np.abs(frame - np.asarray(COLORS[color])).sum(-1) < 60
+
+
+def _present(frame: np.ndarray, color: str) -> bool:
+    return int(_mask(frame, color).sum()) >= 6
+
+
+def _scene_video(qtype: str, k: int, tmp_path: Path):
+    sc = make_scene(np.random.default_rng([123, k]), qtype, image=False)
+    path = tmp_path / f"{qtype}-{k}.mp4"
+    write_video(path, sc)
+    return sc, _frames(path)
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_when_appear_matches_pixels(tmp_path: Path, k: int):
+    sc, frames = _scene_video("when_appear", k, tmp_path)
+    color = sc.events[-1]["object"].split()[0]
+    first = next(i for i, f in enumerate(frames) if _present(f, color))
+    assert len(frames) == sc.num_frames
+    assert first / sc.fps == pytest.approx(float(sc.answer))
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_when_change_matches_pixels(tmp_path: Path, k: int):
+    sc, frames = _scene_video("when_change", k, tmp_path)
+    new = sc.events[-1]["to"]
+    first = next(i for i, f in enumerate(frames) if _present(f, new))
+    assert first / sc.fps == pytest.approx(float(sc.answer))
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_when_leave_matches_pixels(tmp_path: Path, k: int):
+    sc, frames = _scene_video("when_leave", k, tmp_path)
+    color = sc.events[-1]["object"].split()[0]
+    seen = [_present(f, color) for f in frames]
+    gone = next(i for i in range(len(seen)) if i > seen.index(True) and not any(seen[i:]))
+    assert abs(gone / sc.fps - float(sc.answer)) <= sc.tolerance
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_when_collide_is_closest_approach(tmp_path: Path, k: int):
+    sc, frames = _scene_video("when_collide", k, tmp_path)
+    ca, cb = (name.split()[0] for name in sc.events[-1]["objects"])
+    gaps = []
+    for f in frames:
+        xa, xb = np.nonzero(_mask(f, ca).any(0))[0], np.nonzero(_mask(f, cb).any(0))[0]
+        gaps.append(xb.min() - xa.max() if len(xa) and len(xb) else 10**6)
+    t_min = int(np.argmin(gaps)) / sc.fps
+    assert abs(t_min - float(sc.answer)) <= 1.0 / sc.fps + 1e-9
+    assert min(gaps) <= 3  # they really touch (bounding boxes within a few pixels)
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_image_position_and_color(tmp_path: Path, k: int):
+    sc = make_scene(np.random.default_rng([7, k]), "position", image=True)
+    write_image(tmp_path / "p.png", sc)
+    img = np.asarray(Image.open(tmp_path / "p.png")).astype(int)
+    a, b = sc.objects
+    xa = np.nonzero(_mask(img, a.color))[1].mean()
+    xb = np.nonzero(_mask(img, b.color))[1].mean()
+    assert sc.choices[LETTERS.index(sc.answer)] == ("left" if xa < xb else "right")
+
+
+def test_split_is_deterministic_and_valid(tmp_path: Path, synth_dir: Path):
+    again = generate_split(tmp_path, "train", 24, seed=3, workers=2, image_fraction=0.25, progress=False)
+    rows_a = (synth_dir / "train.jsonl").read_text().splitlines()
+    assert again.read_text().splitlines() == rows_a  # parallel == in-process, row for row
+    media_a = sorted((synth_dir / "media" / "train").iterdir())
+    for p in media_a[:6]:
+        assert p.read_bytes() == (tmp_path / "media" / "train" / p.name).read_bytes()
+    man = read_manifest(synth_dir / "train.jsonl")
+    assert not man.bad_rows and len(man) == 24
+    kinds = {s.modality for s in man.samples}
+    assert kinds == {"image", "video"}
+    for s in man.samples:
+        r = s.row
+        assert r["answer_kind"] in ("mc", "numeric")
+        if r["answer_kind"] == "mc":
+            assert r["answer"] in LETTERS[: len(r["choices"])]
+        else:
+            float(r["answer"])
+        assert s.messages[-1]["content"][0]["text"] == r["answer"]
+        info = probe_file(s.media[0].kind, s.media[0].path)
+        assert info.ok and (info.width, info.height) == (r["meta"]["width"], r["meta"]["height"])
+        if s.modality == "video":
+            assert 2.0 <= info.duration <= 8.0 and info.num_frames == r["meta"]["num_frames"]
+    test_ids = [json.loads(x)["id"] for x in (synth_dir / "test.jsonl").read_text().splitlines()]
+    assert test_ids == [f"test-{i:06d}" for i in range(6)]
+    other = generate_split(tmp_path / "s4", "train", 4, seed=4, workers=0, progress=False)
+    assert other.read_text().splitlines()[0] != rows_a[0]
