@@ -9,7 +9,7 @@ after the reasoning blocks, or the content of the last ``<answer>`` block (``key
   js/javascript, ts/typescript, c++/cpp, sh/bash/shell, ...; None = any language) with non-empty content;
   Python blocks must also parse (``ast.parse``) and JSON blocks must load.
 - Markdown list: at least ``markdown_min_items`` consecutive lines that are ``-``/``*``/``+``/``1.``/``1)``
-  items. Markdown table: a header row with ``|`` cells, a separator row of ``---`` cells (optional ``:``) with
+  items. Markdown table: a header row with ``|`` cells, a separator row of hyphen cells (optional ``:``, GFM) with
   the same number of cells, and at least one body row.
 - Steps: the number of lines starting with ``Step k`` or ``k.`` / ``k)`` (optionally after ``#`` / ``**``) in
   the think block (or the visible answer when there is none) lies in ``[steps_min, steps_max]``.
@@ -48,7 +48,7 @@ _PARSE_LIMIT = 200_000  # ast/json parsing of larger blocks is refused (time and
 
 _LIST_ITEM = re.compile(r"[ \t]{0,6}(?:[-*+]|\d{1,4}[.)])[ \t]+\S")
 _STEP_LINE = re.compile(r"[ \t]{0,6}(?:#{1,6}[ \t]*)?(?:\*\*)?[ \t]*(?:step[ \t]*\d{1,4}|\d{1,4}[.)])", re.IGNORECASE)
-_TABLE_SEP_CELL = re.compile(r":?-{3,}:?")
+_TABLE_SEP_CELL = re.compile(r":?-+:?")
 
 _SCHEMA_CACHE: dict[str, Any] = {}
 
