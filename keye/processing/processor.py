@@ -1,0 +1,565 @@
+"""``KeyeProcessor``: conversations (qwen-vl-utils message form) -> model-ready tensors.
+
+One call renders each conversation with the official chat template, loads and processes every image
+and video it mentions, expands the placeholders to the exact token runs (preview: ``t*h*w/4`` pads;
+1.5 videos: the per-frame ``<|frame|>`` + timestamp + pads layout of §10.6), tokenizes, pads the batch
+and (for training) builds labels that cover only assistant turns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from keye.errors import KeyeConfigError, KeyeInputError
+from keye.processing.chat import (
+    OFFICIAL_CHAT_TEMPLATE,
+    ChatTemplate,
+    ParsedResponse,
+    apply_mode,
+    assistant_spans,
+    item_kind,
+    parse_response,
+    validate_messages,
+)
+from keye.processing.image import (
+    PREVIEW,
+    V1_5,
+    ImageProcessorConfig,
+    KeyeImageProcessor,
+    check_variant,
+    fetch_image,
+)
+from keye.processing.slowfast import FAST, classify_frames, resize_frames, slowfast_sizes
+from keye.processing.video import VideoOptions, fetch_video
+
+IGNORE_INDEX = -100
+PROCESSOR_CLASS = {PREVIEW: "KeyeProcessor", V1_5: "KeyeVL1_5Processor"}
+ARCHITECTURES = {"KeyeForConditionalGeneration": PREVIEW, "KeyeVL1_5ForConditionalGeneration": V1_5}
+_PLACEHOLDER = re.compile(r"<\|image_pad\|>|<\|video_pad\|>")
+_HUB_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+class KeyeBatch(dict):
+    """The processor's output: a ``dict`` of tensors (so ``model(**batch)`` works) with attribute access.
+
+    Non-tensor extras live in attributes, not keys: ``video_meta`` (list of :class:`VideoMeta`, in
+    batch order) and ``image_meta`` (list of :class:`ImageMeta`).
+    """
+
+    def __init__(
+        self, data: dict[str, torch.Tensor], video_meta: list | None = None, image_meta: list | None = None
+    ):
+        super().__init__(data)
+        self.__dict__["video_meta"] = video_meta or []
+        self.__dict__["image_meta"] = image_meta or []
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> KeyeBatch:
+        """Move every tensor to ``device`` (and cast floating tensors to ``dtype`` if given); returns self."""
+        for k, v in self.items():
+            if dtype is not None and v.is_floating_point():
+                self[k] = v.to(device=device, dtype=dtype)
+            else:
+                self[k] = v.to(device)
+        return self
+
+
+@dataclass
+class ImageMeta:
+    """Per image: batch row, source, original ``(h, w)``, processed ``(h, w)``, grid (patch units), tokens."""
+
+    row: int
+    index: int
+    source: str
+    original_hw: tuple[int, int]
+    resized_hw: tuple[int, int]
+    grid_thw: list[int]
+    tokens: int
+
+
+@dataclass
+class VideoMeta:
+    """Per video: sampled frame indices into the source, their true timestamps (s), ``frame_types``
+    ("slow"/"fast"; all "slow" for the preview), per-frame grids ``[1, h, w]`` and LLM tokens."""
+
+    row: int
+    index: int
+    source: str
+    backend: str | None
+    indices: list[int]
+    timestamps: list[float] | None
+    sample_fps: float
+    frame_types: list[str]
+    frame_grids: list[list[int]]
+    frame_tokens: list[int]
+    tokens: int
+    video_fps: float | None = None
+    total_frames: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+def _merge_thw(rows: list[list[int]]) -> list[list[int]]:
+    """Merge consecutive identical ``[1, h, w]`` rows into ``[k, h, w]`` (the 1.5 ``merge_thw``)."""
+    out: list[list[int]] = []
+    for t, h, w in rows:
+        if out and out[-1][1:] == [h, w]:
+            out[-1][0] += t
+        else:
+            out.append([t, h, w])
+    return out
+
+
+def _source_name(src: Any) -> str:
+    if isinstance(src, (str, Path)):
+        s = str(src)
+        return s if len(s) < 200 else s[:60] + "..."
+    return type(src).__name__
+
+
+class KeyeProcessor:
+    """Messages -> tensors for Keye-VL preview and 1.5 checkpoints.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (the checkpoint's own); special tokens are resolved by name.
+        image_config: the checkpoint's :class:`ImageProcessorConfig`.
+        variant: ``"preview"`` or ``"1.5"``.
+        chat_template: jinja source (default: the official template).
+        video_backend: ``"pyav"``, ``"decord"``, ``"torchcodec"`` or None (auto; env ``KEYE_VIDEO_BACKEND``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_config: ImageProcessorConfig | None = None,
+        variant: str = PREVIEW,
+        chat_template: str | None = None,
+        video_backend: str | None = None,
+    ):
+        self.variant = check_variant(variant)
+        self.tokenizer = tokenizer
+        self.image_processor = KeyeImageProcessor(image_config or ImageProcessorConfig(variant=variant))
+        self.chat_template = ChatTemplate(chat_template or OFFICIAL_CHAT_TEMPLATE)
+        self.video_backend = video_backend
+        names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+        names += ["<|image_pad|>", "<|video_pad|>"]
+        if variant == V1_5:
+            names += ["<|frame|>", "<|fast_start|>", "<|fast_end|>"]
+        self.token_ids = {n: self._token_id(n) for n in names}
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.token_ids["<|endoftext|>"]
+        )
+
+    def _token_id(self, name: str) -> int:
+        tid = self.tokenizer.convert_tokens_to_ids(name)
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if tid is None or (unk is not None and tid == unk) or not isinstance(tid, int):
+            raise KeyeConfigError(
+                f"tokenizer has no {name} token, required by the Keye-VL {self.variant} processor"
+            )
+        return tid
+
+    @property
+    def image_token_id(self) -> int:
+        """Id of ``<|image_pad|>`` in this tokenizer."""
+        return self.token_ids["<|image_pad|>"]
+
+    @property
+    def video_token_id(self) -> int:
+        """Id of ``<|video_pad|>`` in this tokenizer."""
+        return self.token_ids["<|video_pad|>"]
+
+    # ------------------------------------------------------------------------------------------------------
+    # Loading and saving
+
+    @staticmethod
+    def _resolve_dir(path_or_hub_id: str | Path) -> Path:
+        p = Path(path_or_hub_id)
+        if p.is_dir():
+            return p
+        s = str(path_or_hub_id)
+        if s.startswith((".", "/", "~")) or s.count("/") != 1:
+            raise KeyeConfigError(
+                f"processor directory {s} does not exist (and it is not a hub id 'owner/name')"
+            )
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(repo_id=s, allow_patterns=_HUB_FILES))
+        except Exception as err:  # hub errors come in many classes; all mean "cannot get the files"
+            raise KeyeConfigError(
+                f"cannot fetch processor files for hub id {s!r} ({err.__class__.__name__}: {err}). If this machine "
+                "is offline, download the checkpoint elsewhere and pass its local directory."
+            ) from err
+
+    @staticmethod
+    def detect_variant(directory: str | Path, variant: str | None = None) -> str:
+        """Variant of a checkpoint directory: ``config.json`` architectures, else the preprocessor config's
+        ``processor_class``, else ``variant``, else ``"preview"``. A given ``variant`` that contradicts
+        the files raises :class:`KeyeConfigError`."""
+        d = Path(directory)
+        found = None
+        cfg = d / "config.json"
+        if cfg.is_file():
+            archs = json.loads(cfg.read_text()).get("architectures") or []
+            found = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        pre = d / "preprocessor_config.json"
+        if found is None and pre.is_file():
+            cls = json.loads(pre.read_text()).get("processor_class")
+            found = {v: k for k, v in PROCESSOR_CLASS.items()}.get(cls)
+        if found is not None and variant is not None and variant != found:
+            raise KeyeConfigError(
+                f"{d} holds a Keye-VL {found} checkpoint but variant={variant!r} was requested"
+            )
+        return check_variant(found or variant or PREVIEW)
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_hub_id: str | Path, variant: str | None = None, video_backend: str | None = None
+    ) -> KeyeProcessor:
+        """Load from a local directory or a hub id (``snapshot_download`` of the small files only).
+
+        Reads the tokenizer with ``transformers.AutoTokenizer``, ``preprocessor_config.json`` and
+        ``chat_template.json`` (or ``chat_template.jinja``; default: the official template).
+        Raises :class:`KeyeConfigError` for a missing directory, unreachable hub or broken files.
+        """
+        from transformers import AutoTokenizer
+
+        d = cls._resolve_dir(path_or_hub_id)
+        var = cls.detect_variant(d, variant)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(d))
+        except Exception as err:  # transformers raises OSError/ValueError/... for broken tokenizer files
+            raise KeyeConfigError(f"cannot load the tokenizer from {d}: {err}") from err
+        pre = d / "preprocessor_config.json"
+        image_config = (
+            ImageProcessorConfig.from_file(pre, var) if pre.is_file() else ImageProcessorConfig(variant=var)
+        )
+        template = None
+        if (d / "chat_template.json").is_file():
+            template = json.loads((d / "chat_template.json").read_text()).get("chat_template")
+        elif (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        return cls(tokenizer, image_config, var, template, video_backend)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write tokenizer files, ``preprocessor_config.json`` and ``chat_template.json`` to ``directory``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save_pretrained(str(d))
+        pre = self.image_processor.config.to_dict()
+        pre["processor_class"] = PROCESSOR_CLASS[self.variant]
+        (d / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+        (d / "chat_template.json").write_text(
+            json.dumps({"chat_template": self.chat_template.source}, indent=2)
+        )
+        return d
+
+    # ------------------------------------------------------------------------------------------------------
+    # Decoding
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True, **kw: Any) -> str:
+        """Token ids (list / 1-D tensor) -> text. ``<think>`` tags are not special and survive."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **kw)
+
+    def batch_decode(self, ids: Any, skip_special_tokens: bool = True, **kw: Any) -> list[str]:
+        """``[B, L]`` ids -> list of B strings."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return [self.decode(row, skip_special_tokens=skip_special_tokens, **kw) for row in ids]
+
+    @staticmethod
+    def parse_response(text: str) -> ParsedResponse:
+        """Split a response into analysis / think / answer / boxed and the mode used (see chat.py)."""
+        return parse_response(text)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Vision items
+
+    def _process_image(
+        self, content: dict[str, Any], row: int, index: int
+    ) -> tuple[torch.Tensor, list[int], ImageMeta]:
+        src = content.get("image", content.get("image_url"))
+        if isinstance(src, dict):  # OpenAI form {"image_url": {"url": ...}}
+            src = src.get("url")
+        if src is None:
+            raise KeyeInputError("image item has no 'image' / 'image_url' source", item=f"image {index}")
+        where = f"image {index} (row {row})"
+        img = fetch_image(
+            src,
+            self.variant,
+            min_pixels=content.get("min_pixels"),
+            max_pixels=content.get("max_pixels"),
+            resized_height=content.get("resized_height"),
+            resized_width=content.get("resized_width"),
+            item=where,
+        )
+        pv, grid = self.image_processor(img, item=where)
+        size = self.image_processor.config.patch_size
+        merge = self.image_processor.config.merge_size
+        tokens = grid[0] * grid[1] * grid[2] // (merge * merge)
+        original = getattr(src, "size", None)
+        meta = ImageMeta(
+            row,
+            index,
+            _source_name(src),
+            (original[1], original[0]) if isinstance(original, tuple) else (-1, -1),
+            (grid[1] * size, grid[2] * size),
+            grid,
+            tokens,
+        )
+        if meta.original_hw == (-1, -1):
+            meta.original_hw = (
+                meta.resized_hw
+                if not isinstance(src, (np.ndarray, torch.Tensor))
+                else tuple(np.asarray(src).shape[:2])
+            )
+        return pv, grid, meta
+
+    def _process_video(
+        self, content: dict[str, Any], row: int, index: int
+    ) -> tuple[torch.Tensor, list[list[int]], VideoMeta, list]:
+        """Returns (pixel rows, grid rows, meta, layout). ``layout`` is a list of (frame_type, tokens, ts)."""
+        where = f"video {index} (row {row})"
+        opts = VideoOptions.from_item(content, item=where)
+        video = fetch_video(content.get("video"), opts, self.variant, backend=self.video_backend, item=where)
+        merge = self.image_processor.config.merge_size
+        if self.variant == PREVIEW:
+            pv, grid = self.image_processor.preprocess_frames(video.frames, item=where)
+            per_frame = grid[1] * grid[2] // (merge * merge)
+            n = grid[0]
+            meta = VideoMeta(
+                row,
+                index,
+                video.source,
+                video.backend,
+                video.indices,
+                video.timestamps,
+                video.sample_fps,
+                ["slow"] * n,
+                [[1, grid[1], grid[2]]] * n,
+                [per_frame] * n,
+                per_frame * n,
+                video.video_fps,
+                video.total_frames,
+            )
+            return pv, [grid], meta, [("slow", per_frame * n, None)]
+        # 1.5: slow/fast classification on the sampled frames, budgeted sizes, per-frame rows.
+        frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # [n, 3, H, W] uint8
+        types = (
+            classify_frames(frames, opts.min_frame_similarity)
+            if opts.slow_fast
+            else np.zeros(len(frames), np.int32)
+        )
+        n_fast = int((types == FAST).sum())
+        h, w = frames.shape[2], frames.shape[3]
+        sizes = slowfast_sizes(
+            len(frames) - n_fast,
+            n_fast,
+            h,
+            w,
+            min_pixels=opts.min_pixels,
+            max_pixels=opts.max_pixels,
+            total_pixels=opts.total_pixels,
+            item=where,
+        )
+        if opts.resized_height is not None:
+            sizes = sizes.with_slow_size(opts.resized_height, opts.resized_width)
+        pixel_rows, grids, layout, frame_grids, frame_tokens = [], [], [], [], []
+        slow_px = resize_frames(frames[torch.from_numpy(types != FAST)], sizes.slow_hw)
+        fast_px = resize_frames(frames[torch.from_numpy(types == FAST)], sizes.fast_hw) if n_fast else None
+        slow_pv, slow_grid = self.image_processor.preprocess_resized(slow_px)
+        per_slow = slow_grid[1] * slow_grid[2]
+        fast_pv, fast_grid = (
+            (None, None) if fast_px is None else self.image_processor.preprocess_resized(fast_px)
+        )
+        si = fi = 0
+        for j, t in enumerate(types):
+            if t == FAST:
+                per = fast_grid[1] * fast_grid[2]
+                pixel_rows.append(fast_pv[fi * per : (fi + 1) * per])
+                g = [1, fast_grid[1], fast_grid[2]]
+                fi += 1
+            else:
+                pixel_rows.append(slow_pv[si * per_slow : (si + 1) * per_slow])
+                g = [1, slow_grid[1], slow_grid[2]]
+                si += 1
+            grids.append(g)
+            frame_grids.append(g)
+            tok = g[1] * g[2] // (merge * merge)
+            frame_tokens.append(tok)
+            ts = video.timestamps[j] if video.timestamps is not None else None
+            layout.append(("fast" if t == FAST else "slow", tok, ts))
+        meta = VideoMeta(
+            row,
+            index,
+            video.source,
+            video.backend,
+            video.indices,
+            video.timestamps,
+            video.sample_fps,
+            ["fast" if t == FAST else "slow" for t in types],
+            frame_grids,
+            frame_tokens,
+            sum(frame_tokens),
+            video.video_fps,
+            video.total_frames,
+            extra={"slow_hw": list(sizes.slow_hw), "fast_hw": list(sizes.fast_hw)},
+        )
+        return torch.cat(pixel_rows), _merge_thw(grids), meta, layout
+
+    # ------------------------------------------------------------------------------------------------------
+    # Tokens
+
+    def _encode_text(
+        self, text: str, offset: int, spans: list[tuple[int, int]]
+    ) -> tuple[list[int], list[bool]]:
+        if not text:
+            return [], []
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=bool(spans))
+        ids = list(enc["input_ids"])
+        if not spans:
+            return ids, [False] * len(ids)
+        train = [any(s <= offset + a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+        return ids, train
+
+    def _video_tokens(self, layout: list) -> list[int]:
+        tid = self.token_ids
+        if self.variant == PREVIEW:
+            return [tid["<|video_pad|>"]] * layout[0][1]
+        out: list[int] = []
+        for kind, n, ts in layout:
+            out.append(tid["<|frame|>"])
+            if ts is not None:
+                out += self.tokenizer(format(ts, ".1f"), add_special_tokens=False)["input_ids"]
+            if kind == "fast":
+                out += [tid["<|fast_start|>"]] + [tid["<|video_pad|>"]] * n + [tid["<|fast_end|>"]]
+            else:
+                out += [tid["<|video_pad|>"]] * n
+        return out
+
+    def __call__(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        return_tensors: str | None = "pt",
+        add_generation_prompt: bool | None = None,
+        mode: str | None = None,
+        for_training: bool = False,
+        padding_side: str | None = None,
+        add_vision_id: bool = False,
+    ) -> KeyeBatch:
+        """Process one conversation or a list of conversations into a :class:`KeyeBatch`.
+
+        Keys: ``input_ids``/``attention_mask`` int64 ``[B, L]``; ``pixel_values`` float32
+        ``[N, 3, 14, 14]`` + ``image_grid_thw`` int64 ``[n_images, 3]`` when there are images;
+        ``pixel_values_videos`` + ``video_grid_thw`` when there are videos (1.5: per-frame rows, merged
+        runs); ``second_per_grid_ts`` float32 ``[n_videos]`` (preview only); ``labels`` when
+        ``for_training`` (-100 except assistant-turn tokens incl. the closing ``<|im_end|>``).
+        Images and videos are numbered across the batch, row 0 first. ``add_generation_prompt`` defaults
+        to ``not for_training``; padding defaults to left for generation and right for training, with
+        ``<|endoftext|>``. Raises :class:`KeyeInputError` naming the item for bad input.
+        """
+        if return_tensors not in ("pt", None):
+            raise KeyeInputError(f"return_tensors={return_tensors!r} is not supported; use 'pt'")
+        if add_generation_prompt is None:
+            add_generation_prompt = not for_training
+        side = padding_side or ("right" if for_training else "left")
+        if side not in ("left", "right"):
+            raise KeyeInputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if not isinstance(messages, list) or not messages:
+            raise KeyeInputError("messages must be a non-empty list (one conversation or a list of them)")
+        batch = messages if isinstance(messages[0], list) else [messages]
+        rows_ids, rows_train = [], []
+        img_pv, img_grid, img_meta = [], [], []
+        vid_pv, vid_grid, vid_meta, vid_fps = [], [], [], []
+        for r, conv in enumerate(batch):
+            conv = apply_mode(validate_messages(conv, r if len(batch) > 1 else None), mode)
+            rendered = self.chat_template.render(conv, add_generation_prompt, add_vision_id)
+            items = [
+                c
+                for m in conv
+                if not isinstance(m["content"], str)
+                for c in m["content"]
+                if item_kind(c) != "text"
+            ]
+            expansions = []
+            for c in items:
+                if item_kind(c) == "image":
+                    pv, grid, meta = self._process_image(c, r, len(img_meta))
+                    img_pv.append(pv)
+                    img_grid.append(grid)
+                    img_meta.append(meta)
+                    expansions.append(("<|image_pad|>", [self.image_token_id] * meta.tokens))
+                else:
+                    pv, grids, meta, layout = self._process_video(c, r, len(vid_meta))
+                    vid_pv.append(pv)
+                    vid_grid += grids
+                    vid_meta.append(meta)
+                    vid_fps.append(meta.sample_fps)
+                    expansions.append(("<|video_pad|>", self._video_tokens(layout)))
+            spans = assistant_spans(rendered) if for_training else []
+            ids: list[int] = []
+            train: list[bool] = []
+            pos = 0
+            placeholders = list(_PLACEHOLDER.finditer(rendered))
+            if len(placeholders) != len(expansions) or any(
+                p.group(0) != e[0] for p, e in zip(placeholders, expansions)
+            ):
+                raise KeyeInputError(
+                    f"conversation {r}: the text contains literal <|image_pad|>/<|video_pad|> tokens that do not "
+                    "match its image/video items"
+                )
+            for p, (_, expansion) in zip(placeholders, expansions):
+                t_ids, t_train = self._encode_text(rendered[pos : p.start()], pos, spans)
+                ids += t_ids + expansion
+                train += t_train + [False] * len(expansion)
+                pos = p.end()
+            t_ids, t_train = self._encode_text(rendered[pos:], pos, spans)
+            rows_ids.append(ids + t_ids)
+            rows_train.append(train + t_train)
+        out = self._pad(rows_ids, rows_train, side, for_training)
+        if img_pv:
+            out["pixel_values"] = torch.cat(img_pv)
+            out["image_grid_thw"] = torch.tensor(img_grid, dtype=torch.long)
+        if vid_pv:
+            out["pixel_values_videos"] = torch.cat(vid_pv)
+            out["video_grid_thw"] = torch.tensor(vid_grid, dtype=torch.long)
+            if self.variant == PREVIEW:
+                # temporal_patch_size (1) / sampled fps, float32 as the reference builds it (§6.3).
+                out["second_per_grid_ts"] = torch.tensor([1.0 / f for f in vid_fps], dtype=torch.float32)
+        return KeyeBatch(out, vid_meta, img_meta)
+
+    def _pad(self, rows: list[list[int]], train: list[list[bool]], side: str, for_training: bool) -> dict:
+        length = max(len(r) for r in rows)
+        ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.long)
+        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        for i, (r, t) in enumerate(zip(rows, train)):
+            sl = slice(length - len(r), length) if side == "left" else slice(0, len(r))
+            ids[i, sl] = torch.tensor(r, dtype=torch.long)
+            mask[i, sl] = 1
+            if for_training:
+                row = torch.tensor(r, dtype=torch.long)
+                row[~torch.tensor(t, dtype=torch.bool)] = IGNORE_INDEX
+                labels[i, sl] = row
+        out = {"input_ids": ids, "attention_mask": mask}
+        if for_training:
+            out["labels"] = labels
+        return out
