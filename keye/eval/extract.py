@@ -17,9 +17,10 @@ _CUE_RE = re.compile(
     r"(?:final answer|correct answer|the answer|answer|correct option|correct choice)\s*(?:is|:|=)\s*:?\s*",
     re.IGNORECASE,
 )
-# A letter opening the tail: "B", "(B)", "**B**", "B." -- uppercase only, so the article "a" is never read
+# A letter opening the tail and standing alone: "B", "(B)", "**B**", "B.", "B) text", "B: text". The letter
+# must be followed by punctuation or the end, so neither the article "a" nor a capital "A cat ..." is read
 # as option A.
-_LEADING_LETTER = re.compile(r"^\s*\**\(?([A-Z])\)?\**(?![A-Za-z0-9])")
+_LEADING_LETTER = re.compile(r"^\s*\**\(?([A-Z])\)?\**(?:[.:,)]|\s*$)")
 _PAREN_LETTER = re.compile(r"\(([A-Z])\)")
 _LETTER_TOKEN = re.compile(r"(?<![A-Za-z0-9])([A-Z])(?![A-Za-z0-9])")
 NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|-?\.\d+")
@@ -33,25 +34,51 @@ def answer_tail(text: str) -> str:
 
 
 def leading_letter(text: str, letters: Sequence[str]) -> str | None:
-    """Return the option letter opening ``text`` (``B``, ``(B)``, ``**B**``, ``B. ...``) if it is in ``letters``."""
+    """Return the option letter opening ``text`` if it is in ``letters``.
+
+    The letter may be bracketed or bold and must be followed by ``.``, ``:``, ``,``, ``)`` or the end:
+    ``B``, ``(B) text``, ``**B**``, ``B. text`` match; ``B is right`` and ``A cat`` do not.
+    """
     match = _LEADING_LETTER.match(text)
     return match.group(1) if match and match.group(1) in letters else None
+
+
+def _value(text: str, match: re.Match[str]) -> str:
+    # A number that is part of "a/b" stands for the fraction's value.
+    for frac in _FRACTION.finditer(text):
+        if frac.start() <= match.start() < frac.end() and float(frac.group(2)) != 0:
+            return str(float(frac.group(1)) / float(frac.group(2)))
+    return match.group(0).replace(",", "")
 
 
 def last_number(text: str) -> str | None:
     """Return the last number in ``text`` as a plain string, or None.
 
-    Thousands separators are removed (``1,000`` -> ``1000``); a fraction ending the last number (``3/4``) is
-    divided out (``0.75``); scientific notation is kept as written.
+    Thousands separators are removed (``1,000`` -> ``1000``); a number inside a fraction ``a/b`` stands for
+    the fraction's value (``3/4`` -> ``0.75``); scientific notation is kept as written.
     """
     matches = list(NUMBER_RE.finditer(text))
-    if not matches:
-        return None
-    last = matches[-1]
-    fractions = [f for f in _FRACTION.finditer(text) if f.end() == last.end()]
-    if fractions and float(fractions[-1].group(2)) != 0:
-        return str(float(fractions[-1].group(1)) / float(fractions[-1].group(2)))
-    return last.group(0).replace(",", "")
+    return _value(text, matches[-1]) if matches else None
+
+
+def first_number(text: str) -> str | None:
+    """Return the first number in ``text`` (same conventions as :func:`last_number`), or None."""
+    match = NUMBER_RE.search(text)
+    return _value(text, match) if match else None
+
+
+def final_number(response: str) -> str | None:
+    """Return the number a free-form response gives as its answer, or None.
+
+    With an answer cue, the first number of the answer tail (``The answer is 12. Earlier I said 10.`` ->
+    ``12``); otherwise, or when the tail holds no number, the last number of the response.
+    """
+    text = response.strip()
+    if _CUE_RE.search(text):
+        number = first_number(answer_tail(text))
+        if number is not None:
+            return number
+    return last_number(text)
 
 
 def choice_letter(response: str, choices: Sequence[str]) -> str | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeInputError
-from keye.eval.extract import NUMBER_RE, answer_tail, last_number, leading_letter
+from keye.eval.extract import NUMBER_RE, answer_tail, final_number, leading_letter
 
 logger = logging.getLogger(__name__)
 
@@ -329,12 +329,12 @@ def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
     The *tail* is :func:`keye.eval.extract.answer_tail`: the text after the last answer cue (``answer is``,
     ``answer:``, ``final answer is``, ``correct option is``, ...; case-insensitive), or the whole response.
 
-    - multiple choice: a letter opening the tail (``B``, ``(B)``, ``**B**``; uppercase only, so the article
-      "a" is not read as a letter) that names a choice; else the last ``(x)`` in the response, returned as
+    - multiple choice: a standalone uppercase letter opening the tail (``B``, ``(B) text``, ``**B**``,
+      ``B. text``; see :func:`keye.eval.extract.leading_letter`) that names a choice; else the last ``(x)`` in the response, returned as
       ``"(x)"`` for the official normaliser; else the choice text that occurs last in the tail, then in the
       response (longest on ties); else the tail, left to the official Levenshtein matching.
-    - integer / float: the last number in the tail, else in the response (thousands commas removed; a
-      trailing ``a/b`` fraction is divided out).
+    - integer / float: :func:`keye.eval.extract.final_number`: the first number of the tail after an
+      answer cue, else the last number of the response (thousands commas removed, ``a/b`` divided out).
     - list: the last ``[...]`` in the response, re-joined with ``", "`` (``[1,2]`` -> ``[1, 2]``); else the
       numbers of the tail as such a list.
     - anything else: the tail without a final period.
@@ -362,7 +362,7 @@ def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
                 return max(hits)[2]
         return tail
     if atype in ("integer", "float"):
-        number = last_number(tail) or last_number(text)
+        number = final_number(text)
         return number if number is not None else tail
     if atype == "list":
         lists = _LIST.findall(text)

@@ -10,8 +10,8 @@ Scoring rules (ours; the set has no official scorer):
 - ``mc``: the letter is read from the post-processed response with
   :func:`keye.eval.extract.choice_letter` (letter opening the answer tail, last ``(X)``, a unique standalone
   letter, or the option text); correct when it equals ``answer``.
-- ``numeric``: the last number of the answer tail (else of the response, see
-  :func:`keye.eval.extract.last_number`); correct when ``|pred - answer| <= tolerance`` (``tolerance`` from
+- ``numeric``: the answer number (:func:`keye.eval.extract.final_number`: the first number after an answer
+  cue, else the last number of the response); correct when ``|pred - answer| <= tolerance`` (``tolerance`` from
   the row, default 0, plus 1e-9 for float round-off).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeInputError
-from keye.eval.extract import answer_tail, choice_letter, last_number
+from keye.eval.extract import choice_letter, final_number
 
 ANSWER_KINDS = ("mc", "numeric")
 
@@ -94,8 +94,7 @@ def extract(response: str, item: Mapping[str, Any]) -> str | None:
             # Without option texts, accept any A-H letter as the option space.
             choices = [""] * 8
         return choice_letter(response, [str(c) for c in choices])
-    text = response.strip()
-    return last_number(answer_tail(text)) or last_number(text)
+    return final_number(response)
 
 
 def is_correct(prediction: str | None, item: Mapping[str, Any]) -> bool:

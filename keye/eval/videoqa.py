@@ -40,8 +40,8 @@ ANSWER_PREFIXES = (
     "The correct answer is",
     "The answer is",
     "The answer",
-    "The best option isThe correct option is",  # noqa: ISC001 - reproduces the official fused entry
-    "Best answer:Best option:",  # noqa: ISC001 - reproduces the official fused entry
+    "The best option isThe correct option is",  # fused in the original (missing comma)
+    "Best answer:Best option:",  # fused in the original (missing comma)
     "Answer:",
     "Option:",
     "The correct answer",
