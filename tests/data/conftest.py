@@ -21,3 +21,21 @@ def synth_dir(tmp_path_factory) -> Path:
 @pytest.fixture()
 def cache(tmp_path) -> ProbeCache:
     return ProbeCache(tmp_path / "probe.sqlite")
+
+
+@pytest.fixture(scope="session")
+def tiny_processor(tmp_path_factory):
+    """The tiny offline preview processor (keye.testing.processor)."""
+    from keye.processing.processor import KeyeProcessor
+    from keye.testing.processor import make_tiny_processor_dir
+
+    return KeyeProcessor.from_pretrained(make_tiny_processor_dir(tmp_path_factory.mktemp("proc"), "preview"))
+
+
+@pytest.fixture(scope="session")
+def tiny_processor_15(tmp_path_factory):
+    """The tiny offline 1.5 (slow/fast) processor."""
+    from keye.processing.processor import KeyeProcessor
+    from keye.testing.processor import make_tiny_processor_dir
+
+    return KeyeProcessor.from_pretrained(make_tiny_processor_dir(tmp_path_factory.mktemp("proc15"), "1.5"))
