@@ -40,9 +40,9 @@ MAX_ASPECT_RATIO = 200
 # keye-vl-utils stage-1 image bounds (architecture.md §8.1).
 FETCH_MIN_PIXELS = {PREVIEW: 4 * 28 * 28, V1_5: 4 * 28 * 28}
 FETCH_MAX_PIXELS = {PREVIEW: 16384 * 28 * 28, V1_5: 20480 * 28 * 28}
-# Smallest side we accept at all: below this there is nothing to see and smart_resize would blow the
-# image up by more than 28x.
-MIN_IMAGE_SIDE = 1
+# Smallest side we accept: below 4 pixels an image carries no usable content and smart_resize would
+# blow it up by 7x or more (the reference accepts it silently).
+MIN_IMAGE_SIDE = 4
 URL_TIMEOUT_S = 30.0
 
 
@@ -60,7 +60,11 @@ def _round_half_even(x: float) -> int:
 
 def _check_aspect(height: int, width: int, item: Any = None, path: Any = None) -> None:
     if height < MIN_IMAGE_SIDE or width < MIN_IMAGE_SIDE:
-        raise KeyeInputError(f"image is too small ({width}x{height} pixels)", item=item, path=path)
+        raise KeyeInputError(
+            f"image is too small ({width}x{height} pixels; at least {MIN_IMAGE_SIDE} per side)",
+            item=item,
+            path=path,
+        )
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise KeyeInputError(

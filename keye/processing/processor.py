@@ -9,6 +9,7 @@ and (for training) builds labels that cover only assistant turns.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -200,7 +201,8 @@ class KeyeProcessor:
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(repo_id=s, allow_patterns=_HUB_FILES))
+            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+            return Path(snapshot_download(repo_id=s, allow_patterns=_HUB_FILES, local_files_only=offline))
         except Exception as err:  # hub errors come in many classes; all mean "cannot get the files"
             raise KeyeConfigError(
                 f"cannot fetch processor files for hub id {s!r} ({err.__class__.__name__}: {err}). If this machine "

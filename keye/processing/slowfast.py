@@ -167,9 +167,11 @@ def slowfast_sizes(
 ) -> SlowFastSizes:
     """Slow/fast resolutions for a ``height x width`` video with ``n_slow`` + ``n_fast`` frames (§10.4).
 
-    Binary search over the per-slow-frame token count T in ``[min_pixels/784, max_pixels/784)`` for the
-    first T whose estimate ``784*(n_slow*T + n_fast*max(int(0.3*T), min_tokens))`` exceeds
-    ``total_pixels`` (the reference's exact loop), then ``smart_resize`` for both sizes.
+    Binary search over the per-slow-frame token count T in ``[min_pixels/784, max_pixels/784]`` with the
+    reference's loop and estimate ``784*(n_slow*T + n_fast*max(int(0.3*T), min_tokens))``, then
+    ``smart_resize`` for both sizes. One deliberate difference: the reference keeps the *first T that
+    exceeds* the budget; we keep the last T that fits, so the video's tokens never exceed
+    ``total_pixels/784``. The spec's worked examples (§10.4) give the same sizes either way.
     Defaults: min 37,632, max 602,112, total 51,380,224 pixels. Raises :class:`KeyeInputError` when even
     the minimum size per frame exceeds the total budget.
     """
@@ -198,6 +200,8 @@ def slowfast_sizes(
             right = mid
         else:
             left = mid + 1
+    if est(left) > total:
+        left -= 1  # the loop stops one past the largest fitting T when the budget binds
     slow_hw = smart_resize(
         height, width, IMAGE_FACTOR, lo_px, left * TOKEN_PIXELS, clamp_min_side=True, item=item
     )

@@ -15,6 +15,7 @@ first available of decord, torchcodec, pyav; when a backend fails the next avail
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -424,12 +425,29 @@ def probe_video(path: str, item: Any = None) -> VideoProbe:
 # Backends
 
 
+@functools.lru_cache(maxsize=1)
+def _torchcodec_usable() -> bool:
+    """torchcodec imports without FFmpeg but fails on first use; probe that once."""
+    if importlib.util.find_spec("torchcodec") is None:
+        return False
+    try:
+        from torchcodec.decoders import VideoDecoder
+
+        VideoDecoder(b"not a video")
+    except RuntimeError as err:
+        return "load libtorchcodec" not in str(err)
+    except Exception:  # any other complaint is about the (deliberately bad) input: the library works
+        return True
+    return True
+
+
 def available_backends() -> list[str]:
-    """Backends importable here, in automatic-choice order (pyav is always last and always present)."""
+    """Backends usable here, in automatic-choice order (pyav is always last and always present)."""
     out = []
-    for name, module in (("decord", "decord"), ("torchcodec", "torchcodec")):
-        if importlib.util.find_spec(module) is not None:
-            out.append(name)
+    if importlib.util.find_spec("decord") is not None:
+        out.append("decord")
+    if _torchcodec_usable():
+        out.append("torchcodec")
     return out + ["pyav"]
 
 

@@ -1,0 +1,185 @@
+"""Video decoding and sampling on PyAV-written clips whose frame index is encoded in the pixels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keye.errors import KeyeInputError
+from keye.processing import video as V
+from keye.processing.video import (
+    VideoOptions,
+    choose_backends,
+    decode_frames,
+    fetch_video,
+    plan_video,
+    probe_video,
+    sample_frames,
+)
+from keye.testing.processor import make_test_video, read_frame_index
+
+BACKENDS = ["pyav", "decord", "torchcodec"]
+
+
+def _need(backend: str) -> None:
+    if backend not in V.available_backends():
+        pytest.skip(
+            f"optional video backend {backend} is not usable here (torchcodec needs system FFmpeg libraries)"
+        )
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clips")
+    return {
+        "cfr": make_test_video(d / "cfr.mp4", 40, fps=10, size=(64, 128)),
+        "vfr": make_test_video(d / "vfr.mp4", 40, fps=10, size=(64, 128), vfr=True),
+    }
+
+
+def _indices_in_pixels(frames: np.ndarray) -> list[int]:
+    return [read_frame_index(f) for f in frames]
+
+
+def test_probe_reads_true_timestamps(clips):
+    for clip in clips.values():
+        probe = probe_video(str(clip.path))
+        assert probe.n_frames == 40
+        np.testing.assert_allclose(probe.timestamps, clip.timestamps, atol=1e-6)
+    assert V.is_constant_rate(probe_video(str(clips["cfr"].path)).timestamps)
+    assert not V.is_constant_rate(probe_video(str(clips["vfr"].path)).timestamps)
+
+
+def test_cfr_sampling_rules_by_hand(clips):
+    probe = probe_video(str(clips["cfr"].path))
+    # preview: 40 frames / 10 fps * 2 = 8 (even, in [4, 40]); linspace(0, 39, 8) rounded
+    plan = sample_frames(probe.timestamps, probe.fps, VideoOptions(fps=2.0), "preview")
+    assert plan.indices == [0, 6, 11, 17, 22, 28, 33, 39]
+    assert plan.sample_fps == pytest.approx(2.0)
+    # 1.5: int(4 s * 2) = 8 frames, same linspace
+    assert sample_frames(probe.timestamps, probe.fps, VideoOptions(fps=2.0), "1.5").indices == plan.indices
+    # preview nframes=5 rounds (banker's) to 4; 1.5 takes it as is
+    assert len(sample_frames(probe.timestamps, probe.fps, VideoOptions(nframes=5), "preview").indices) == 4
+    assert len(sample_frames(probe.timestamps, probe.fps, VideoOptions(nframes=5), "1.5").indices) == 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["cfr", "vfr"])
+@pytest.mark.parametrize("variant", ["preview", "1.5"])
+def test_sampled_frames_and_timestamps(clips, backend, kind, variant):
+    _need(backend)
+    clip = clips[kind]
+    probe = probe_video(str(clip.path))
+    plan = sample_frames(probe.timestamps, probe.fps, VideoOptions(fps=2.0), variant)
+    frames, times, used = decode_frames(probe, plan.indices, backend)
+    assert used == backend
+    assert _indices_in_pixels(frames) == plan.indices
+    np.testing.assert_allclose(times, [clip.timestamps[i] for i in plan.indices], atol=1e-4)
+    if kind == "vfr":
+        # each sampled frame is the one shown nearest to its evenly spaced target time
+        ts = np.asarray(clip.timestamps)
+        targets = np.linspace(ts[0], ts[-1], len(plan.indices))
+        for i, t in zip(plan.indices, targets):
+            assert abs(ts[i] - t) == pytest.approx(np.abs(ts - t).min())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["cfr", "vfr"])
+def test_time_range(clips, backend, kind):
+    _need(backend)
+    clip = clips[kind]
+    probe = probe_video(str(clip.path))
+    opts = VideoOptions(fps=2.0, video_start=1.0, video_end=3.0)
+    plan = sample_frames(probe.timestamps, probe.fps, opts, "preview")
+    frames, times, _ = decode_frames(probe, plan.indices, backend)
+    assert _indices_in_pixels(frames) == plan.indices
+    assert all(1.0 - 1e-6 <= t <= 3.0 + 1e-6 for t in times)
+    if kind == "cfr":
+        # frames 10..30 (21 frames) -> 21/10*2 = 4.2 -> clamp to >= 4 -> 4; linspace(10, 30, 4) rounded
+        assert plan.indices == [10, 17, 23, 30]
+
+
+def test_backends_agree(clips):
+    avail = V.available_backends()
+    for clip in clips.values():
+        probe = probe_video(str(clip.path))
+        idx = [0, 3, 7, 19, 20, 38]
+        results = {b: decode_frames(probe, idx, b) for b in avail}
+        ref_frames, ref_times, _ = results["pyav"]
+        for frames, times, _ in results.values():
+            assert _indices_in_pixels(frames) == idx
+            np.testing.assert_allclose(times, ref_times, atol=1e-4)
+            assert np.abs(frames.astype(int) - ref_frames.astype(int)).mean() < 2.0
+
+
+def test_seek_decode_matches_sequential_decode(clips):
+    import av
+
+    probe = probe_video(str(clips["cfr"].path))
+    with av.open(str(clips["cfr"].path)) as c:
+        every = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
+    idx = [39, 2, 13, 14, 26]  # unsorted, adjacent, across GOPs
+    frames, _, _ = decode_frames(probe, idx, "pyav")
+    for k, i in enumerate(idx):
+        np.testing.assert_array_equal(frames[k], every[i])
+
+
+def test_fallback_when_a_backend_fails(clips, monkeypatch):
+    def broken(probe, indices):
+        raise RuntimeError("simulated decoder failure")
+
+    monkeypatch.setitem(V._DECODERS, "decord", broken)
+    monkeypatch.setattr(V, "available_backends", lambda: ["decord", "pyav"])
+    probe = probe_video(str(clips["cfr"].path))
+    frames, _, used = decode_frames(probe, [0, 10], "decord")
+    assert used == "pyav" and _indices_in_pixels(frames) == [0, 10]
+
+
+def test_backend_choice_env(monkeypatch):
+    monkeypatch.setenv(V.ENV_BACKEND, "pyav")
+    assert choose_backends()[0] == "pyav"
+    assert choose_backends("PyAV")[0] == "pyav"
+    monkeypatch.setenv(V.ENV_BACKEND, "nonsense")
+    with pytest.raises(KeyeInputError, match="unknown video backend"):
+        choose_backends()
+
+
+def test_plan_video_pure_preview_1080p():
+    # 60 s at 30 fps: 1800 frames * 2 / 30 = 120 frames; max_pixels = min(602112, 90316800/120*2) = 602112
+    # -> smart_resize(1080, 1920) = 560 x 1008 (beta = sqrt(2073600/602112)) -> grid 40 x 72 -> 720 tokens
+    plan = plan_video(1800, 30.0, 1080, 1920, "preview")
+    assert plan.n_frames == 120
+    assert plan.indices == np.linspace(0, 1799, 120).round().astype(int).tolist()
+    assert plan.resized_hw == (560, 1008) and plan.frame_grid == [1, 40, 72]
+    assert plan.total_tokens == 120 * 720
+    assert plan_video(None, 30.0, 1080, 1920, "preview", duration=60.0).indices == plan.indices
+    # max_frames caps the count (floor to even)
+    assert plan_video(1800, 30.0, 1080, 1920, "preview", {"max_frames": 17}).n_frames == 16
+
+
+def test_plan_video_pure_v15():
+    plan = plan_video(1800, 30.0, 1080, 1920, "1.5")
+    assert plan.n_frames == 120 and plan.resized_hw is None
+    assert (
+        plan_video(1800, 30.0, 1080, 1920, "1.5", {"fps": 60}).n_frames == 1365
+    )  # fps capped to 30, budget cap
+    assert plan_video(1800, 30.0, 1080, 1920, "1.5", {"max_frames": 50}).n_frames == 50
+
+
+def test_fetch_video_preview_resize_and_meta(clips):
+    v = fetch_video(str(clips["cfr"].path), VideoOptions(fps=2.0), "preview", backend="pyav")
+    # 64x128 is below VIDEO_MIN_PIXELS (100352): beta = sqrt(100352/8192) = 3.5 -> ceil(8)*28, ceil(16)*28
+    assert v.frames.shape == (8, 224, 448, 3)
+    assert v.indices == [0, 6, 11, 17, 22, 28, 33, 39]
+    assert v.sample_fps == pytest.approx(2.0) and v.video_fps == pytest.approx(10.0)
+
+
+def test_fetch_video_frame_list_and_array():
+    frames = [np.full((56, 84, 3), 10 * i, np.uint8) for i in range(5)]
+    v = fetch_video(frames, VideoOptions(fps=1.0), "preview")
+    assert v.indices == [0, 1, 2, 3, 4, 4]  # padded to even by repeating the last frame
+    assert v.timestamps == [0.0, 1.0, 2.0, 3.0, 4.0, 4.0]
+    arr = np.stack(frames)
+    v = fetch_video(arr, VideoOptions(), "1.5")
+    assert v.indices == [0, 1, 2, 3, 4] and v.timestamps is None  # 1.5: timestamps only with a given fps
+    assert v.frames.shape == (5, 56, 84, 3)
