@@ -16,7 +16,8 @@ text after ``</analysis>`` / ``</think>``, last ``<answer>`` block, last ``\\box
   ``|p - g| <= max(abs_tol, rel_tol * |g|)``, or at ``precision`` decimals both round to the same value
   (MathVista's float rule). With a ``%`` on exactly one side, ``p`` also matches ``g * 100`` or ``g / 100``.
 - ``math``: (1) equal after LaTeX-cosmetic normalisation (spaces, ``\\left``/``\\right``, ``\\dfrac``, ``$``,
-  trailing ``.``); (2) both sides plain numbers -> compared as numbers with ``rel 1e-9``; (3) otherwise
+  trailing ``.``); (2) both sides one plain number, ``a/b`` or ``\\frac{a}{b}`` -> compared as numbers
+  with ``rel 1e-9``; (3) otherwise
   math-verify (``parse`` + ``verify``) under the hard time limit of ``keye.rewards.mathverify``.
 - ``text``: ``normalize_text`` of the answer equals that of the gold (or of any gold in a list).
 - ``list``: the answer's outer brackets are dropped and it is split on ``,`` ``;`` and ``and``; the items
@@ -244,6 +245,15 @@ def check_numeric(
     return any(numbers_match(c, g, rel_tol=rel_tol, abs_tol=abs_tol, precision=precision) for c in cands)
 
 
+def _simple_number(expr: str) -> float | None:
+    """The value of ``expr`` if it is exactly one number, ``a/b`` or ``\\frac{a}{b}`` (no percent), else None."""
+    m = _NUMBER_RE.fullmatch(expr) if len(expr) <= 64 else None
+    if m is None or m.group("pct"):
+        return None
+    parsed = parse_number(expr)
+    return None if parsed is None else parsed[0]
+
+
 # -- math -----------------------------------------------------------------------------------------------------
 def normalize_latex(expr: str) -> str:
     """Remove LaTeX cosmetics: ``\\left``/``\\right``, thin spaces, ``$``, whitespace; ``\\dfrac``/``\\tfrac``
@@ -273,9 +283,9 @@ def check_math(answer: str, reference: Any, verifier: Any, max_chars: int = 1000
         g = _t.coerce_text(gold).strip()
         if not g:
             continue
-        if _PLAIN_NUMBER.fullmatch(normalize_latex(g)) and _PLAIN_NUMBER.fullmatch(pred_norm):
-            gv, pv = parse_number(normalize_latex(g)), parse_number(pred_norm)
-            if gv is not None and pv is not None and numbers_match(pv[0], gv[0], rel_tol=1e-9, abs_tol=1e-12):
+        gv, pv = _simple_number(normalize_latex(g)), _simple_number(pred_norm)
+        if gv is not None and pv is not None:
+            if numbers_match(pv, gv, rel_tol=1e-9, abs_tol=1e-12):
                 return True, "number"
             continue
         if len(g) > max_chars:

@@ -2,10 +2,12 @@
 
 Repetition (computed on the last ``max_chars`` characters, tokens as in ``keye.rewards.text.tokens``):
 
-- n-gram: ``dup = 1 - distinct_ngrams / ngrams`` with ``n = repetition_ngram``; penalty
+- n-gram: ``dup = 1 - distinct_ngrams / ngrams`` over word tokens (punctuation dropped) with
+  ``n = repetition_ngram``; penalty
   ``clip((dup - threshold) / (1 - threshold), 0, 1)``; 0 for fewer than ``repetition_min_tokens`` tokens.
-- lines: among lines of >= 8 non-space characters (at least 3 such lines), ``dup`` = share of lines equal
-  (after trimming) to an earlier line; penalty with the same threshold formula.
+- lines: among lines of >= 12 non-space characters (at least 3 such lines; shorter lines such as
+  ``return x + 1`` repeat naturally in code), ``dup`` = share of lines equal (after trimming) to an earlier
+  line; penalty with the same threshold formula.
 - loop: the longest trailing block made of one chunk of ``p <= loop_max_period`` tokens repeated at least
   ``loop_min_repeats`` times; penalty = its share of all tokens (a degenerate ending that never stops).
 
@@ -37,7 +39,7 @@ def ngram_duplicate_ratio(toks: list[str], n: int) -> float:
     return 1.0 - distinct / total
 
 
-def line_duplicate_ratio(text: str, min_chars: int = 8) -> float:
+def line_duplicate_ratio(text: str, min_chars: int = 12) -> float:
     """Share of lines (>= ``min_chars`` non-space chars, at least 3 of them) that repeat an earlier line."""
     seen: set[str] = set()
     eligible = repeated = 0
@@ -86,13 +88,17 @@ def repetition_penalty(
     toks = _t.tokens(text)
     ngram_pen = loop_pen = 0.0
     if len(toks) >= min_tokens:
-        ngram_pen = _threshold_penalty(ngram_duplicate_ratio(toks, ngram), threshold)
+        # Word n-grams only: punctuation (table pipes, LaTeX braces) repeats by design; punctuation loops
+        # are still caught by the loop term, which sees every token.
+        words = [tok for tok in toks if tok[0].isalnum()]
+        ngram_pen = _threshold_penalty(ngram_duplicate_ratio(words, ngram), threshold)
         loop_pen = trailing_loop_tokens(toks, loop_max_period, loop_min_repeats) / len(toks)
     line_pen = _threshold_penalty(line_duplicate_ratio(text), threshold)
     terms = {"ngram": ngram_pen, "lines": line_pen, "loop": loop_pen}
     worst = max(terms, key=terms.__getitem__)
-    value = -min(1.0, terms[worst])
-    return value, (f"{worst} repetition {terms[worst]:.2f}" if value < 0 else "")
+    if terms[worst] <= 0.0:
+        return 0.0, ""
+    return -min(1.0, terms[worst]), f"{worst} repetition {terms[worst]:.2f}"
 
 
 def estimate_tokens(text: str) -> int:

@@ -208,3 +208,26 @@ def test_weighted_total() -> None:
               spec=RewardSpec(format=0.5, accuracy=2.0))
     assert r.parts == {"format": 1.0, "accuracy": 1.0}
     assert r.total == pytest.approx(2.5)
+
+
+NATURAL = {
+    "math CoT": (
+        "<think>\nThe square has side length 4, so its area is 4 * 4 = 16.\n"
+        "The circle inside the square has radius 2, so its area is pi * 2^2 = 4 pi.\n"
+        "The shaded region is the part of the square outside the circle, so the area is 16 - 4 pi.\n"
+        "Let me double-check: the side length is 4 because the grid shows 4 unit squares along each edge.\n"
+        "The radius is 2 because the circle touches all four sides, so the diameter equals the side length.\n"
+        "Therefore the shaded area is 16 - 4 pi, which is about 16 - 12.566 = 3.434.\n"
+        "Looking at the options: (A) 16 - 2 pi, (B) 16 - 4 pi, (C) 8 - pi, (D) 4 pi.\n</think>\n<answer>B</answer>"
+    ),
+    "table": "| Year | Revenue | Profit |\n|---|---|---|\n| 2019 | 10 | 1 |\n| 2020 | 12 | 2 |\n| 2021 | 15 | 3 |",
+    "code": "```python\ndef f(x):\n    return x + 1\n\n\ndef g(x):\n    return x + 1\n\n\nprint(f(1))\nprint(g(1))\n```",
+    "numbered steps": "\n".join(f"Step {i}: compute x_{i} = x_{i - 1} + 2 = {2 * i}." for i in range(1, 15)),
+}
+
+
+@pytest.mark.parametrize("name", list(NATURAL))
+def test_natural_text_is_not_penalised(name: str) -> None:
+    # Rule: repetition penalises only repetition beyond the 10% threshold, trailing loops of >= 4 copies, and
+    # repeats of long lines; ordinary reasoning, tables, short repeated code lines and step lists stay at 0.
+    assert score(NATURAL[name], spec=RewardSpec(format=0.0, accuracy=0.0, repetition=1.0)).parts["repetition"] == 0.0
