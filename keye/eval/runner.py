@@ -365,11 +365,13 @@ def load_engine(
     dtype: str | None = None,
     **engine_kwargs: Any,
 ) -> KeyeEngine:
-    """Build a :class:`KeyeEngine` from a checkpoint path / hub id (``keye.KeyeVL.from_pretrained`` and
-    ``keye.KeyeProcessor.from_pretrained``), on ``device`` (default: ``cuda:LOCAL_RANK`` when CUDA is
-    available, else CPU) in ``dtype`` (``bfloat16``, ``float16``, ``float32``; default: the checkpoint's).
+    """Build a :class:`KeyeEngine` from a checkpoint directory or hub id holding the model and processor files
+    (``keye.KeyeVL.from_pretrained`` / ``keye.KeyeProcessor.from_pretrained``); ``"keye-tiny"`` names the
+    embedded tiny model. The model goes to ``device`` (default: ``cuda:LOCAL_RANK`` when CUDA is available,
+    else CPU) in ``dtype`` (``bfloat16``, ``float16``, ``float32``; default: the checkpoint's).
 
-    Raises ``KeyeError`` subclasses from the loaders; an unknown dtype raises ``KeyeInputError``.
+    Raises ``KeyeError`` subclasses from the loaders; an unknown dtype or an unreadable checkpoint raises
+    ``KeyeInputError``.
     """
     import torch
 
@@ -377,18 +379,18 @@ def load_engine(
 
     if device is None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    torch_dtype = None
-    if dtype is not None:
-        if dtype not in ("bfloat16", "float16", "float32"):
-            raise KeyeInputError(f"unknown dtype {dtype!r}; expected bfloat16, float16 or float32")
-        torch_dtype = getattr(torch, dtype)
+    if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
+        raise KeyeInputError(f"unknown dtype {dtype!r}; expected bfloat16, float16 or float32")
+    if model_id == "keye-tiny":
+        from keye.tiny import tiny_dir
+
+        model_id = str(tiny_dir())
     try:
-        model = keye.KeyeVL.from_pretrained(model_id)
+        model = keye.KeyeVL.from_pretrained(model_id, torch_dtype=dtype or "auto", device=device)
         processor = keye.KeyeProcessor.from_pretrained(model_id)
     except KeyeError:
         raise
     except OSError as err:
         raise KeyeInputError(f"cannot load model {model_id!r} ({err})") from err
-    model = model.to(device=device, dtype=torch_dtype) if torch_dtype is not None else model.to(device)
     model.eval()
     return KeyeEngine(model, processor, **engine_kwargs)
