@@ -152,8 +152,10 @@ class _Worker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if not ready:
+            # poll, not select: select() fails for descriptors >= 1024, common in large trainer processes.
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if not poller.poll(max(1, math.ceil(remaining * 1000))):
                 raise TimeoutError
             chunk = os.read(fd, n - got)
             if not chunk:
@@ -237,6 +239,15 @@ class MathVerifier:
             return verdict
 
     def _compute(self, gold: str, pred: str) -> tuple[str, bool]:
+        try:
+            return self._compute_unsafe(gold, pred)
+        except Exception:  # noqa: BLE001 - an unexpected IPC failure must not escape a reward call
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
+            return "crash", False
+
+    def _compute_unsafe(self, gold: str, pred: str) -> tuple[str, bool]:
         if self.backend == "inline" and threading.current_thread() is threading.main_thread():
             try:
                 return "ok", verify_inline(gold, pred, max(1, math.ceil(self.timeout_s)))

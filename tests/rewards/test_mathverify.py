@@ -106,3 +106,31 @@ def test_timeout_reported_in_info_and_stats() -> None:
     assert results[0].info["accuracy"] == "timeout" and results[0].parts["accuracy"] == 0.0
     assert results[1].parts["accuracy"] == 1.0
     assert aggregate_stats(results)["reward/math_timeouts"] == 1.0
+
+
+def test_high_file_descriptors() -> None:
+    # Trainer processes often hold > 1024 descriptors; select() cannot wait on those, poll() can.
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1300
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    null = os.open(os.devnull, os.O_RDONLY)
+    held = []
+    try:
+        while len(held) < 1100:
+            held.append(os.dup(null))
+        v = MathVerifier(timeout_s=2.0, cache_size=0)
+        try:
+            assert v._worker is None
+            assert v.equivalent("\\frac{1}{2}", "0.5")
+            assert v._worker is not None and v._worker.proc.stdout.fileno() > 1024
+        finally:
+            v.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        os.close(null)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
