@@ -260,23 +260,53 @@ def fetch_image(
     resized_width: int | None = None,
     item: Any = None,
 ) -> Image.Image:
-    """Stage 1 (keye-vl-utils ``fetch_image``): load, then Pillow-resize to ``smart_resize`` size.
+    """Stage 1 (keye-vl-utils ``fetch_image``): :func:`load_image` then :func:`prepare_image`.
 
-    ``resized_height``/``resized_width`` (both) replace the source size before smart_resize, as the
-    reference does. Returns an RGB PIL image whose sides are multiples of 28.
+    Returns an RGB PIL image whose sides are multiples of 28.
     """
     img = load_image(src, variant, item)
     path = src if isinstance(src, (str, Path)) else None
+    return prepare_image(
+        img,
+        variant,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        resized_height=resized_height,
+        resized_width=resized_width,
+        item=item,
+        path=path,
+    )
+
+
+def prepare_image(
+    img: Image.Image,
+    variant: str = PREVIEW,
+    *,
+    min_pixels: float | None = None,
+    max_pixels: float | None = None,
+    resized_height: int | None = None,
+    resized_width: int | None = None,
+    item: Any = None,
+    path: Any = None,
+) -> Image.Image:
+    """Resize a loaded RGB image to keye-vl-utils' ``smart_resize`` size (BICUBIC, Pillow maths).
+
+    ``min_pixels``/``max_pixels`` default to the variant's stage-1 bounds (§8.1);
+    ``resized_height``/``resized_width`` (both) replace the source size before smart_resize, as the
+    reference does.
+    """
     lo = FETCH_MIN_PIXELS[variant] if min_pixels is None else min_pixels
     hi = FETCH_MAX_PIXELS[variant] if max_pixels is None else max_pixels
     if (resized_height is None) != (resized_width is None):
         raise KeyeInputError("give both resized_height and resized_width, or neither", item=item, path=path)
-    h, w = (img.height, img.width) if resized_height is None else (int(resized_height), int(resized_width))
+    clamp = variant == V1_5
     if resized_height is not None:
-        new_h, new_w = smart_resize(h, w, IMAGE_FACTOR, clamp_min_side=variant == V1_5, item=item, path=path)
+        new_h, new_w = smart_resize(
+            int(resized_height), int(resized_width), IMAGE_FACTOR, clamp_min_side=clamp, item=item, path=path
+        )
     else:
         new_h, new_w = smart_resize(
-            h, w, IMAGE_FACTOR, lo, hi, clamp_min_side=variant == V1_5, item=item, path=path
+            img.height, img.width, IMAGE_FACTOR, lo, hi, clamp_min_side=clamp, item=item, path=path
         )
     if (new_w, new_h) != img.size:
         # Pillow's default filter for RGB is BICUBIC, as in the reference.

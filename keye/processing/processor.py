@@ -35,7 +35,8 @@ from keye.processing.image import (
     ImageProcessorConfig,
     KeyeImageProcessor,
     check_variant,
-    fetch_image,
+    load_image,
+    prepare_image,
 )
 from keye.processing.slowfast import FAST, classify_frames, resize_frames, slowfast_sizes
 from keye.processing.video import VideoOptions, fetch_video
@@ -304,35 +305,25 @@ class KeyeProcessor:
         if src is None:
             raise KeyeInputError("image item has no 'image' / 'image_url' source", item=f"image {index}")
         where = f"image {index} (row {row})"
-        img = fetch_image(
-            src,
+        img = load_image(src, self.variant, where)
+        original_hw = (img.height, img.width)
+        img = prepare_image(
+            img,
             self.variant,
             min_pixels=content.get("min_pixels"),
             max_pixels=content.get("max_pixels"),
             resized_height=content.get("resized_height"),
             resized_width=content.get("resized_width"),
             item=where,
+            path=src if isinstance(src, (str, Path)) else None,
         )
         pv, grid = self.image_processor(img, item=where)
         size = self.image_processor.config.patch_size
         merge = self.image_processor.config.merge_size
         tokens = grid[0] * grid[1] * grid[2] // (merge * merge)
-        original = getattr(src, "size", None)
         meta = ImageMeta(
-            row,
-            index,
-            _source_name(src),
-            (original[1], original[0]) if isinstance(original, tuple) else (-1, -1),
-            (grid[1] * size, grid[2] * size),
-            grid,
-            tokens,
+            row, index, _source_name(src), original_hw, (grid[1] * size, grid[2] * size), grid, tokens
         )
-        if meta.original_hw == (-1, -1):
-            meta.original_hw = (
-                meta.resized_hw
-                if not isinstance(src, (np.ndarray, torch.Tensor))
-                else tuple(np.asarray(src).shape[:2])
-            )
         return pv, grid, meta
 
     def _process_video(

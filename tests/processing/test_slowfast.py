@@ -175,7 +175,7 @@ def test_processor_v15_prompt_layout_and_pixels(tmp_path):
     frames, _, _ = decode_frames(probe_video(str(clip.path)), meta.indices, "pyav")
     x = torch.from_numpy(frames).permute(0, 3, 1, 2)
     rows = []
-    for j, (kind, g) in enumerate(zip(meta.frame_types, meta.frame_grids)):
+    for j, g in enumerate(meta.frame_grids):
         hw = (g[1] * 14, g[2] * 14)
         f = F.interpolate(x[j : j + 1], size=hw, mode="bilinear", antialias=True).float()
         f = ((f.double() / 255).float() - 0.5) / 0.5
