@@ -276,3 +276,139 @@ def write_manifest(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> 
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
     os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+@dataclass
+class CheckReport:
+    """Result of :func:`check_manifest`.
+
+    Attributes:
+        manifest: the parsed manifest.
+        bad_rows: every unusable row (schema errors, then missing/corrupt media and sizing-rule failures),
+            sorted by line.
+        summary: ``rows``, ``valid``, ``bad``, ``modalities`` (samples per text/image/video/mixed),
+            ``images``, ``videos``, ``video_seconds`` (total duration), ``tokens`` (sum over valid rows;
+            exact when a processor was given, otherwise the approximation described in
+            :func:`check_manifest`), ``tokens_exact`` (bool), ``max_tokens``, ``vision_tflops``, ``llm_tflops``.
+    """
+
+    manifest: Manifest
+    bad_rows: list[BadRow]
+    summary: dict[str, Any]
+
+    def format(self, max_rows: int = 50) -> str:
+        """Human-readable report: the bad rows (up to ``max_rows``) then the summary."""
+        out = [f"{b}" for b in self.bad_rows[:max_rows]]
+        if len(self.bad_rows) > max_rows:
+            out.append(f"... and {len(self.bad_rows) - max_rows} more bad rows")
+        s = self.summary
+        mods = ", ".join(f"{k} {v}" for k, v in s["modalities"].items())
+        approx = "" if s["tokens_exact"] else " (approximate: no processor given)"
+        out += [
+            f"rows: {s['rows']}  valid: {s['valid']}  bad: {s['bad']}",
+            f"samples by modality: {mods}",
+            f"media: {s['images']} images, {s['videos']} videos, {s['video_seconds']:.1f} s of video",
+            f"tokens: {s['tokens']:,} total, max {s['max_tokens']:,} per sample{approx}",
+            f"forward compute: vision {s['vision_tflops']:.3f} TFLOP, LLM {s['llm_tflops']:.3f} TFLOP (Keye-VL-8B)",
+        ]
+        return "\n".join(out)
+
+
+def check_manifest(
+    path: str | os.PathLike[str],
+    root: str | os.PathLike[str] | None = None,
+    *,
+    processor: Any = None,
+    cache: Any = None,
+) -> CheckReport:
+    """Validate a manifest completely: schema, media existence and decodability, and the processor's sizing
+    rules; count modalities, video duration and tokens.
+
+    Args:
+        processor: a :class:`keye.processing.processor.KeyeProcessor`; with it the token counts are exact
+            (:class:`keye.data.cost.CostModel`). Without it, a preview processor with a stand-in tokenizer
+            is used: media tokens follow the preview sizing rules exactly, text tokens are approximated as
+            UTF-8 bytes / 4.
+        cache: a :class:`keye.data.probe.ProbeCache` (default: the user cache).
+
+    Returns:
+        :class:`CheckReport`. Problems with rows are reported, never raised.
+
+    Raises:
+        KeyeInputError: the manifest file itself is missing or unreadable.
+    """
+    from keye.data.cost import CostModel
+    from keye.data.probe import ProbeCache, probe_media
+
+    man = read_manifest(path, root)
+    cache = cache if cache is not None else ProbeCache()
+    exact = processor is not None
+    cm = CostModel(processor if exact else _approx_processor(), cache=cache)
+    bad = list(man.bad_rows)
+    modalities: dict[str, int] = {}
+    n_img = n_vid = 0
+    seconds = 0.0
+    tokens: list[int] = []
+    v_fl = l_fl = 0.0
+    for s in man.samples:
+        try:
+            cost = cm.estimate(s)
+        except KeyeInputError as err:
+            bad.append(BadRow(s.line, err.reason, s.id))
+            continue
+        modalities[s.modality] = modalities.get(s.modality, 0) + 1
+        for ref in s.media:
+            if ref.kind == "image":
+                n_img += 1
+            else:
+                n_vid += 1
+                seconds += probe_media(ref, cache).duration
+        tokens.append(cost.tokens)
+        v_fl += cost.vision_flops
+        l_fl += cost.llm_flops
+    bad.sort(key=lambda b: b.line)
+    rows = len(man.samples) + len(man.bad_rows)
+    summary = {
+        "rows": rows,
+        "valid": rows - len(bad),
+        "bad": len(bad),
+        "modalities": dict(sorted(modalities.items())),
+        "images": n_img,
+        "videos": n_vid,
+        "video_seconds": seconds,
+        "tokens": int(sum(tokens)),
+        "tokens_exact": exact,
+        "max_tokens": int(max(tokens, default=0)),
+        "vision_tflops": v_fl / 1e12,
+        "llm_tflops": l_fl / 1e12,
+    }
+    return CheckReport(man, bad, summary)
+
+
+class _ApproxTokenizer:
+    """Stand-in tokenizer for :func:`check_manifest` without a processor: ceil(UTF-8 bytes / 4) tokens."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        n = -(-len(text.encode("utf-8")) // 4)
+        return {"input_ids": [0] * n}
+
+
+@dataclass
+class _ApproxProcessor:
+    variant: str
+    tokenizer: Any
+    image_processor: Any
+    chat_template: Any
+    video_backend: str | None = None
+
+
+def _approx_processor() -> _ApproxProcessor:
+    from keye.processing.chat import ChatTemplate
+    from keye.processing.image import PREVIEW, ImageProcessorConfig, KeyeImageProcessor
+
+    return _ApproxProcessor(
+        PREVIEW, _ApproxTokenizer(), KeyeImageProcessor(ImageProcessorConfig(variant=PREVIEW)), ChatTemplate()
+    )
