@@ -12,7 +12,8 @@ text after ``</analysis>`` / ``</think>``, last ``<answer>`` block, last ``\\box
   valid letters are A.. one per ``choices`` entry (A-Z without choices). The gold is a letter, a list of
   letters, or an option text (mapped to its letter through ``choices``).
 - ``numeric``: the last number of the answer (thousands commas, decimals, exponents, ``a/b``, ``\\frac{a}{b}``,
-  Unicode minus, a trailing ``%``; units and currency around it ignored) equals the gold within
+  Unicode minus, a trailing ``%``; units and currency around it ignored; a ``-`` right after a word or
+  digit is a hyphen, so ``3-5`` ends in ``5``) equals the gold within
   ``|p - g| <= max(abs_tol, rel_tol * |g|)``, or at ``precision`` decimals both round to the same value
   (MathVista's float rule). With a ``%`` on exactly one side, ``p`` also matches ``g * 100`` or ``g / 100``.
 - ``math``: (1) equal after LaTeX-cosmetic normalisation (spaces, ``\\left``/``\\right``, ``\\dfrac``, ``$``,
@@ -64,10 +65,11 @@ _MC_DECOR = ("\\text{", "\\textbf{", "\\mathrm{", "\\mathbf{")
 
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\d+"
 _NUMBER_RE = re.compile(
-    r"\\[dt]?frac\s{0,3}\{\s{0,3}(?P<fs>[-+−]?)\s{0,3}(?P<fn>" + _NUM + r")\s{0,3}\}\s{0,3}"
+    r"(?P<fo>(?<![\w.)\]}])[-+−])?\\[dt]?frac\s{0,3}\{\s{0,3}(?P<fs>[-+−]?)\s{0,3}(?P<fn>" + _NUM + r")\s{0,3}\}\s{0,3}"
     r"\{\s{0,3}(?P<fd>" + _NUM + r")\s{0,3}\}"
-    r"|\\[dt]?frac(?P<fa>\d)(?P<fb>\d)"
-    r"|(?P<s>[-+−]?)(?P<n>" + _NUM + r")(?:\s{0,3}/\s{0,3}(?P<d>" + _NUM + r"))?(?P<pct>\s{0,3}(?:%|\\%))?"
+    r"|(?P<fo2>(?<![\w.)\]}])[-+−])?\\[dt]?frac(?P<fa>\d)(?P<fb>\d)"
+    # A minus glued to a preceding word or digit is a hyphen ("2024-05", "3-5"), not a sign.
+    r"|(?P<s>(?<![\w.)\]}])[-+−])?(?P<n>" + _NUM + r")(?:\s{0,3}/\s{0,3}(?P<d>" + _NUM + r"))?(?P<pct>\s{0,3}(?:%|\\%))?"
 )
 _PLAIN_NUMBER = re.compile(r"[-+−]?(?:" + _NUM + r")(?:\s*/\s*(?:" + _NUM + r"))?")
 _LATEX_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "$", " ", "\t", "\n")
@@ -191,9 +193,10 @@ def parse_number(text: str) -> tuple[float, bool] | None:
     try:
         if g["fn"] is not None:
             value = _to_float(g["fn"]) / _to_float(g["fd"])
-            sign = g["fs"]
+            # -\frac{1}{2} and \frac{-1}{2} are negative, -\frac{-1}{2} is positive.
+            sign = "-" if (g["fo"] in ("-", "−")) != (g["fs"] in ("-", "−")) else ""
         elif g["fa"] is not None:
-            value, sign = int(g["fa"]) / int(g["fb"]), ""
+            value, sign = int(g["fa"]) / int(g["fb"]), g["fo2"] or ""
         else:
             value = _to_float(g["n"])
             if g["d"] is not None:

@@ -113,6 +113,9 @@ CASES = [
     acc("3.1416", 3.14159, "numeric", 1.0, "absolute tolerance 0.01", tolerance=0.01),
     acc("no number here", 3, "numeric", 0.0, "no number -> wrong"),
     acc("1e3", 1000, "numeric", 1.0, "scientific notation"),
+    acc("between 3-5", "5", "numeric", 1.0, "a '-' glued to a digit is a hyphen, so the last number is 5"),
+    acc("x = -\\frac{1}{2}", -0.5, "numeric", 1.0, "a sign before \\frac applies to the fraction"),
+    acc("-\\frac{1}{2}", "\\frac{1}{2}", "math", 0.0, "number fast path keeps the sign (no math-verify needed)"),
     # ---------------- accuracy: math equivalence (math-verify) ----------------------------------------------
     acc("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", "math", 1.0, "equal after LaTeX-cosmetic normalisation"),
     acc("0.5", "\\frac{1}{2}", "math", 1.0, "math-verify: numeric value"),
