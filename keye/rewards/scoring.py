@@ -54,8 +54,9 @@ def score(
     """Score one response with every weighted part of ``spec``.
 
     Args:
-        response: the model output; ``None`` counts as ``""``, bytes are decoded as UTF-8. Any string is
-            accepted (empty, megabytes long, unbalanced tags, NUL bytes): built-in parts never raise on it.
+        response: the model output; ``None`` counts as ``""``, bytes are decoded as UTF-8, trailing
+            ``<|im_end|>`` / ``<|endoftext|>`` markers are dropped. Any string is accepted (empty, megabytes
+            long, unbalanced tags, NUL bytes): built-in parts never raise on it.
         reference: ground truth for ``accuracy`` (None = accuracy does not apply).
         task: "mc", "numeric", "math", "text", "list", "json", "none" or an alias; None infers it from
             ``reference`` (see ``keye.rewards.accuracy.normalize_task``).
@@ -74,7 +75,7 @@ def score(
     spec = spec if spec is not None else _default_spec()
     if not isinstance(spec, RewardSpec):
         raise KeyeInputError(f"spec must be a RewardSpec, got {type(spec).__name__}")
-    text = _t.coerce_text(response)
+    text = _t.strip_eos(_t.coerce_text(response))
     resolved_mode = normalize_mode(mode)
     if resolved_mode is None and extra.get("prompt") is not None:
         resolved_mode = mode_from_prompt(extra["prompt"])

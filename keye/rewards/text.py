@@ -37,6 +37,29 @@ def coerce_text(value: object) -> str:
     return str(value)
 
 
+_EOS_MARKERS = ("<|im_end|>", "<|endoftext|>")
+
+
+def strip_eos(text: str) -> str:
+    """Remove trailing end-of-sequence markers (``<|im_end|>``, ``<|endoftext|>``) and the whitespace around them.
+
+    Responses decoded without ``skip_special_tokens`` (or RLEP's replayed strings with an EOS appended) end
+    with these markers; they are not part of the answer.
+    """
+    end = len(text)
+    while True:
+        # Index arithmetic instead of repeated slicing keeps this linear for any number of markers.
+        cut = end
+        while cut > 0 and text[cut - 1].isspace():
+            cut -= 1
+        for marker in _EOS_MARKERS:
+            if text.endswith(marker, 0, cut):
+                end = cut - len(marker)
+                break
+        else:
+            return text[:end]
+
+
 def tokens(text: str) -> list[str]:
     """Split ``text`` into rough tokens: CJK characters, word pieces of <= 16 chars, single punctuation marks."""
     return _TOKEN_RE.findall(text)

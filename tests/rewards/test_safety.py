@@ -85,6 +85,7 @@ ADVERSARIAL = {
     "regex bait": "a" * 50_000 + "!" + "answer: " * 50_000 + "(" * 50_000,
     "fraction bait": "\\frac{" * 100_000 + "1/" * 100_000,
     "loop": "the same line again\n" * 100_000,
+    "eos markers": "<|im_end|>\n" * 200_000,
     "huge power": "<think>x</think>\\boxed{9^{9^{9^{9^{9}}}}}",
 }
 

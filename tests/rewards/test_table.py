@@ -72,6 +72,7 @@ CASES = [
     fmt("<think>r</think><answer> </answer>", None, 0.0, "the answer block is non-empty"),
     fmt("<think>r</think>ans </think", None, 0.0, "a broken stray tag is malformed"),
     fmt("", None, 0.0, "an empty response has no answer"),
+    fmt("<think>r</think>B<|im_end|>\n<|endoftext|>", "think", 1.0, "trailing EOS markers are not answer text"),
     fmt("<think>r</think>B", None, 0.0, "require_answer_tag needs <answer>", require_answer_tag=True),
     fmt("<think>r</think>so \\boxed{12}", None, 1.0, "require_boxed: balanced non-empty box", require_boxed=True),
     fmt("<think>r</think>so \\boxed{12", None, 0.0, "require_boxed: unbalanced box fails", require_boxed=True),
