@@ -245,6 +245,12 @@ def _preview_nframes(opts: VideoOptions, total: int, video_fps: float, item: Any
         n = total / video_fps * fps
         n = min(min(max(n, min_f), max_f), total)
         n = _floor_by(n, FRAME_FACTOR)
+    if n > total >= FRAME_FACTOR:
+        raise KeyeInputError(
+            f"nframes={opts.nframes or n} exceeds the {total} frames in the clip / time range",
+            item=item,
+            path=path,
+        )
     if not (FRAME_FACTOR <= n <= total):
         raise KeyeInputError(
             f"clip shorter than one sample: {total} frame(s) in range, the preview sampler needs "
@@ -405,7 +411,7 @@ def probe_video(path: str, item: Any = None) -> VideoProbe:
         raise
     except _av_error_types() as err:
         raise KeyeInputError(
-            f"unreadable video ({err.__class__.__name__}: {err})", item=item, path=path
+            f"unreadable, truncated or corrupt video ({err.__class__.__name__}: {err})", item=item, path=path
         ) from err
     if not pts:
         raise KeyeInputError("video has zero decodable frames", item=item, path=path)

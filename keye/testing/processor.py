@@ -141,6 +141,7 @@ def make_test_video(
     scene_cuts: Sequence[int] = (),
     gop: int = 12,
     codec: str = "libx264",
+    faststart: bool = False,
 ) -> TestVideo:
     """Write an MP4 of ``n_frames`` frames (``size`` = (H, W), even) with the frame index in the pixels.
 
@@ -150,7 +151,8 @@ def make_test_video(
         consecutive frames are near-identical (a slow-fast "static clip");
       * ``"scenes"``: like ``"static"`` but the texture changes at each index in ``scene_cuts``.
     ``vfr=True`` writes variable frame durations (alternating 0.5x and 1.5x the nominal 1/fps, plus a
-    2x gap every 7th frame). Returns a :class:`TestVideo` with each frame's true timestamp.
+    2x gap every 7th frame). ``faststart=True`` puts the MP4 index first (so a truncated copy still
+    opens and lists every frame). Returns a :class:`TestVideo` with each frame's true timestamp.
     """
     import av
 
@@ -168,7 +170,7 @@ def make_test_video(
             continue
         pts.append(int(round(t)))
         t += nominal * (2.0 if i % 7 == 6 else (0.5 if i % 2 == 0 else 1.5))
-    container = av.open(str(path), mode="w")
+    container = av.open(str(path), mode="w", options={"movflags": "faststart"} if faststart else {})
     try:
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
