@@ -7,7 +7,8 @@ about 12% malformed (unclosed/duplicated tags, text after the answer, missing an
 Measured in the same run:
 - format-only spec (the baseline: tag parsing only);
 - the full spec (format, accuracy, json, repetition, overlong) with the math-verify verdict cache;
-- the math responses alone with the cache disabled vs enabled (every non-trivial pair goes to the worker).
+- the math responses alone with the cache disabled vs enabled (every non-trivial pair goes to the worker),
+  and the median latency of one uncached math-verify check in-process vs through the worker process.
 
 Throughput is reported as the median over chunks of 500 responses. The last line is the full spec's
 throughput relative to the format-only baseline.
@@ -143,6 +144,25 @@ def run(samples: list[dict], spec: RewardSpec, chunk: int = 500) -> tuple[float,
     return statistics.median(rates), overall, totals
 
 
+def _median_latency_ms(pairs: list[tuple[str, str]], backend: str) -> tuple[float, int]:
+    from keye.rewards.accuracy import check_math
+    from keye.rewards.mathverify import MathVerifier
+    from keye.rewards.text import final_answer
+
+    verifier = MathVerifier(timeout_s=5.0, backend=backend, cache_size=0)
+    verifier.equivalent("1", "1")  # start the worker / warm SymPy outside the timing
+    times = []
+    for gold, response in pairs:
+        answer = final_answer(response)
+        calls = verifier.stats["calls"]
+        t0 = time.perf_counter()
+        check_math(answer, gold, verifier)
+        if verifier.stats["calls"] > calls:  # only pairs the string / number fast paths could not decide
+            times.append((time.perf_counter() - t0) * 1e3)
+    verifier.close()
+    return statistics.median(times), len(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=10_000, help="number of synthetic responses")
@@ -177,6 +197,13 @@ def main() -> None:
     _, uncached_all, _ = run(math_samples, nocache_spec, chunk=100)
     print(f"math only ({len(math_samples)} items): cached {cached_all:.0f}/s vs uncached {uncached_all:.0f}/s "
           f"-> cache speedup {cached_all / uncached_all:.1f}x")
+    # Cost of the killable worker: the same uncached math-verify pairs in this process (SIGALRM timeout,
+    # main thread only) versus through the worker's pipes.
+    pairs = [(s["reference"], s["response"]) for s in math_samples[:300]]
+    inline_ms, _ = _median_latency_ms(pairs, "inline")
+    process_ms, n_verified = _median_latency_ms(pairs, "process")
+    print(f"math-verify per uncached pair (median of {n_verified}): inline {inline_ms:.2f} ms, "
+          f"worker process {process_ms:.2f} ms -> IPC overhead {process_ms - inline_ms:+.2f} ms")
     print(f"full spec vs format-only baseline throughput (median rewards/s): {full_med / fmt_med:.2f}x "
           f"({full_med:.0f} vs {fmt_med:.0f})")
 
