@@ -1,0 +1,94 @@
+"""Reinforcement learning for Keye-VL: GRPO-family losses, RLEP replay, difficulty-aware sampling, rollouts.
+
+Public pieces:
+
+- advantages.py: :func:`group_advantages`, :func:`rlep_advantages`, :func:`group_stats`,
+  :class:`DifficultyCurve`, :func:`group_pass_rate`, :func:`difficulty_reshape`;
+- losses.py: :func:`policy_loss`, :func:`aggregate`, :func:`kl_penalty`;
+- masks.py: :func:`response_mask`, :func:`response_lengths`, :func:`split_response`, :func:`lengths_to_mask`;
+- logprobs.py: :func:`token_logprobs`, :class:`LogprobOutput`;
+- rollout.py: :class:`RLPrompt`, :class:`PromptInputs`, :class:`RolloutSample`, :class:`RolloutEngine`,
+  :class:`LocalRollout`, :class:`VLLMRollout`, :func:`split_batch`, :func:`collate_prompts`,
+  :func:`collate_samples`;
+- replay.py: :class:`ReplayPool`, :class:`ReplayEntry`, :func:`collect`, :func:`replay_samples`;
+- sampling.py: :func:`dynamic_sample`, :func:`filter_prompts`, :class:`ModeMix`, :func:`group_minibatches`;
+- scoring.py: :class:`RewardScorer`, :class:`Scores`;
+- tree.py / tree_attention.py: shared-prefix tree batches (import those modules directly).
+"""
+
+from __future__ import annotations
+
+from keye.rl.advantages import (
+    DIFFICULTY_PRESETS,
+    DifficultyCurve,
+    difficulty_reshape,
+    group_advantages,
+    group_pass_rate,
+    group_stats,
+    rlep_advantages,
+)
+from keye.rl.logprobs import LogprobOutput, token_logprobs
+from keye.rl.losses import aggregate, kl_penalty, policy_loss
+from keye.rl.masks import lengths_to_mask, response_lengths, response_mask, split_response
+from keye.rl.replay import CollectStats, ReplayEntry, ReplayPool, collect, replay_samples
+from keye.rl.rollout import (
+    LocalRollout,
+    PromptInputs,
+    RLPrompt,
+    RolloutEngine,
+    RolloutSample,
+    VLLMRollout,
+    collate_prompts,
+    collate_samples,
+    split_batch,
+)
+from keye.rl.sampling import (
+    DynamicSamplingResult,
+    ModeMix,
+    dynamic_sample,
+    filter_prompts,
+    group_minibatches,
+    is_informative,
+)
+from keye.rl.scoring import RewardScorer, Scores
+
+__all__ = [
+    "DIFFICULTY_PRESETS",
+    "CollectStats",
+    "DifficultyCurve",
+    "DynamicSamplingResult",
+    "LocalRollout",
+    "LogprobOutput",
+    "ModeMix",
+    "PromptInputs",
+    "RLPrompt",
+    "ReplayEntry",
+    "ReplayPool",
+    "RewardScorer",
+    "RolloutEngine",
+    "RolloutSample",
+    "Scores",
+    "VLLMRollout",
+    "aggregate",
+    "collate_prompts",
+    "collate_samples",
+    "collect",
+    "difficulty_reshape",
+    "dynamic_sample",
+    "filter_prompts",
+    "group_advantages",
+    "group_minibatches",
+    "group_pass_rate",
+    "group_stats",
+    "is_informative",
+    "kl_penalty",
+    "lengths_to_mask",
+    "policy_loss",
+    "replay_samples",
+    "response_lengths",
+    "response_mask",
+    "rlep_advantages",
+    "split_batch",
+    "split_response",
+    "token_logprobs",
+]

@@ -1,0 +1,228 @@
+"""PPO-family policy losses: clip-higher, dual clip, GSPO sequence ratio, KL estimators, aggregation.
+
+Formulas (training.md §1.3 step 9, §2.5, §7.4, §8.4-8.7), per response token ``t`` of sequence ``i``:
+
+- token ratio ``rho = exp(logp - old_logp)``; GSPO sequence ratio
+  ``s_i = exp(mean_t (logp - old_logp))``, used per token as ``s_i * pi / sg(pi)`` so that the value is
+  ``s_i`` and the gradient is ``s_i * grad logp`` (GSPO paper's token form; ``sg`` = stop-gradient);
+- ``L1 = -A * rho``, ``L2 = -A * clip(rho, 1 - eps_low, 1 + eps_high)``, ``L = max(L1, L2)``;
+- dual clip (``c = dual_clip``) for ``A < 0``: ``L = min(L, -A * c)``;
+- KL to a reference: ``k1 = logp - ref``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (log-ratio clamped to
+  +-20, value clamped to +-10, as verl's ``low_var_kl``), added as ``kl_coef * agg(kl)``.
+
+Aggregation (``loss_agg``) over the mask:
+
+- ``"token-mean"``: ``sum(L) / n_tokens`` (RLEP/DAPO);
+- ``"seq-mean-token-mean"``: mean over sequences of each sequence's token mean (original GRPO, GSPO);
+- ``"seq-mean-token-sum"``: mean over sequences of each sequence's token sum;
+- ``"seq-mean-token-sum-norm"``: ``sum(L) / (loss_scale_factor * n_seqs)`` (Dr.GRPO; factor default = T).
+
+``global_token_count`` / ``global_seq_count`` replace the local ``n_tokens`` / ``n_seqs`` by the count over
+the whole optimiser step (every micro-batch on every rank), so that summing the micro-batch losses (and
+all-reducing gradients by sum) gives exactly the full-batch loss; only sequences with at least one masked
+token count as sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keye.errors import KeyeConfigError, KeyeInputError
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    global_token_count: float | int | torch.Tensor | None = None,
+    global_seq_count: float | int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values [B, T] to a scalar with one of ``LOSS_AGG_MODES`` (see module doc).
+
+    Args:
+        values: float [B, T]. mask: bool/float [B, T] (1 on tokens that count).
+        global_token_count: denominator of ``token-mean`` (default: this batch's masked token count).
+        global_seq_count: number of sequences in the seq-mean modes (default: this batch's sequences
+            that have at least one masked token).
+        loss_scale_factor: Dr.GRPO constant (default ``T``).
+    Returns:
+        0-d tensor (0 when nothing is masked in).
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise KeyeConfigError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if values.shape != mask.shape or values.dim() != 2:
+        raise KeyeInputError(f"values and mask must both be [B, T], got {tuple(values.shape)} and {tuple(mask.shape)}")
+    m = mask.to(values.dtype)
+    masked = values * m
+    if mode == "token-mean":
+        den = m.sum() if global_token_count is None else torch.as_tensor(global_token_count, dtype=values.dtype)
+        return masked.sum() / den.clamp(min=1)
+    tokens_per_seq = m.sum(dim=-1)
+    n_seq = (tokens_per_seq > 0).to(values.dtype).sum()
+    if global_seq_count is not None:
+        n_seq = torch.as_tensor(global_seq_count, dtype=values.dtype)
+    n_seq = n_seq.clamp(min=1)
+    seq_sum = masked.sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        return seq_sum.sum() / n_seq
+    if mode == "seq-mean-token-mean":
+        return (seq_sum / tokens_per_seq.clamp(min=1)).sum() / n_seq
+    factor = float(values.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    if factor <= 0:
+        raise KeyeConfigError(f"loss_scale_factor must be > 0, got {factor}")
+    return seq_sum.sum() / (factor * n_seq)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
+
+    ``"k1"``: ``logp - ref_logp`` (unbiased, high variance, can be negative). ``"k3"``:
+    ``exp(ref - logp) - (ref - logp) - 1`` with the log-ratio clamped to [-20, 20] and the result clamped to
+    [-10, 10] (verl ``low_var_kl``; non-negative, low variance).
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        log_r = (ref_logp - logp).clamp(-20.0, 20.0)
+        return (log_r.exp() - log_r - 1).clamp(-10.0, 10.0)
+    raise KeyeConfigError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
+    n = float(m.sum())
+    return float((x * m).sum()) / n if n > 0 else 0.0
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    loss_agg: str = "token-mean",
+    global_token_count: float | int | torch.Tensor | None = None,
+    global_seq_count: float | int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    max_log_ratio: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss of one (micro-)batch.
+
+    Args:
+        logp: float [B, T] log-probs of the response tokens under the policy being trained (with grad).
+        old_logp: float [B, T] log-probs under the behaviour ("old") policy (no grad needed).
+        advantages: float [B] (broadcast over tokens) or [B, T].
+        mask: bool/float [B, T], 1 on response tokens (first EOS included, prompt/padding excluded).
+        eps_low / eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` (clip-higher: eps_high > eps_low).
+        dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-A * c``; None disables.
+        ratio_level: ``"token"`` (PPO/GRPO/DAPO) or ``"sequence"`` (GSPO; the GSPO paper pairs it with
+            ``loss_agg="seq-mean-token-mean"`` and much smaller eps, e.g. 3e-4 / 4e-4). The sequence
+            log-ratio is clamped to ``<= 10`` as in verl.
+        loss_agg, global_token_count, global_seq_count, loss_scale_factor: see :func:`aggregate`.
+        ref_logp / kl_coef / kl_estimator: optional KL-to-reference loss term (:func:`kl_penalty`).
+        entropy: float [B, T] per-token entropy (for stats, and an entropy bonus if ``entropy_coef > 0``).
+        max_log_ratio: token log-ratios are clamped to +-this before ``exp`` (numerical safety).
+    Returns:
+        (loss, stats). ``loss`` is a 0-d tensor: ``pg + kl_coef * kl - entropy_coef * entropy``, each term
+        aggregated with ``loss_agg``. ``stats`` (floats over this batch's masked tokens): ``pg_loss``,
+        ``clip_frac_high`` (A > 0 and ratio > 1 + eps_high), ``clip_frac_low`` (A < 0 and ratio <
+        1 - eps_low), ``clip_frac`` (either), ``dual_clip_frac`` (A < 0 and the dual bound active),
+        ``approx_kl`` (k3 estimate of KL(old || new)), ``ratio_mean``, ``ratio_max``, ``ratio_min``,
+        ``num_tokens``, and ``kl`` / ``entropy`` when given.
+    """
+    if ratio_level not in RATIO_LEVELS:
+        raise KeyeConfigError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if eps_low < 0 or eps_high < 0:
+        raise KeyeConfigError(f"clip epsilons must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise KeyeConfigError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise KeyeInputError(
+            f"logp, old_logp and mask must all be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logp.shape[0]:
+            raise KeyeInputError(f"advantages [B] has {advantages.shape[0]} rows, logp has {logp.shape[0]}")
+        adv = advantages[:, None].expand_as(logp)
+    elif advantages.shape == logp.shape:
+        adv = advantages
+    else:
+        raise KeyeInputError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
+    adv = adv.to(logp.dtype).detach()
+    m = mask.to(logp.dtype)
+    old_logp = old_logp.detach()
+
+    log_ratio = (logp - old_logp).clamp(-max_log_ratio, max_log_ratio)
+    if ratio_level == "sequence":
+        n_tok = m.sum(dim=-1).clamp(min=1)
+        seq_log_ratio = ((log_ratio * m).sum(dim=-1) / n_tok).clamp(max=10.0)
+        log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
+    ratio = log_ratio.exp()
+
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(pg1, pg2)
+    neg = adv < 0
+    dual_active = torch.zeros_like(neg)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_active = neg & (pg > bound)
+        pg = torch.where(neg, torch.minimum(pg, bound), pg)
+
+    agg_kw = dict(global_token_count=global_token_count, global_seq_count=global_seq_count,
+                  loss_scale_factor=loss_scale_factor)
+    pg_loss = aggregate(pg, m, loss_agg, **agg_kw)
+    loss = pg_loss
+    stats: dict[str, float] = {}
+    if ref_logp is not None:
+        if ref_logp.shape != logp.shape:
+            raise KeyeInputError(f"ref_logp has shape {tuple(ref_logp.shape)}, logp {tuple(logp.shape)}")
+        kl = kl_penalty(logp, ref_logp.detach(), kl_estimator)
+        kl_loss = aggregate(kl, m, loss_agg, **agg_kw)
+        if kl_coef:
+            loss = loss + kl_coef * kl_loss
+        stats["kl"] = _masked_mean(kl.detach(), m)
+    elif kl_coef:
+        raise KeyeInputError("kl_coef > 0 needs ref_logp (log-probs of the reference model)")
+    if entropy is not None:
+        if entropy.shape != logp.shape:
+            raise KeyeInputError(f"entropy has shape {tuple(entropy.shape)}, logp {tuple(logp.shape)}")
+        if entropy_coef:
+            loss = loss - entropy_coef * aggregate(entropy, m, loss_agg, **agg_kw)
+        stats["entropy"] = _masked_mean(entropy.detach(), m)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        high = (adv > 0) & (r > 1.0 + eps_high)
+        low = neg & (r < 1.0 - eps_low)
+        tok_log_ratio = (logp.detach() - old_logp).clamp(-max_log_ratio, max_log_ratio)
+        k3_old_new = tok_log_ratio.exp() - 1 - tok_log_ratio
+        sel = m.bool()
+        stats.update(
+            pg_loss=float(pg_loss.detach()),
+            clip_frac_high=_masked_mean(high.to(m.dtype), m),
+            clip_frac_low=_masked_mean(low.to(m.dtype), m),
+            clip_frac=_masked_mean((high | low).to(m.dtype), m),
+            dual_clip_frac=_masked_mean(dual_active.to(m.dtype), m),
+            approx_kl=_masked_mean(k3_old_new, m),
+            ratio_mean=_masked_mean(r, m),
+            ratio_max=float(r[sel].max()) if bool(sel.any()) else 1.0,
+            ratio_min=float(r[sel].min()) if bool(sel.any()) else 1.0,
+            num_tokens=float(m.sum()),
+        )
+    return loss, stats
