@@ -78,8 +78,8 @@ class RewardSpec:
             least min_repeats times at the end of the response.
         overlong_max_len, overlong_buffer: DAPO's L_max and L_buf, in tokens (``num_tokens=`` extra) or,
             without it, in estimated tokens (characters / 4).
-        max_chars: repetition is computed on at most this many trailing characters; instruction checks on
-            longer answers fail (they are not parsed).
+        max_chars: repetition and step counting read at most this many trailing characters (JSON answers and Python/JSON code
+            blocks longer than 200,000 characters are never parsed and fail their check).
     """
 
     format: float = 1.0
@@ -149,6 +149,10 @@ class RewardSpec:
                     f"{sorted(set(known) - set(BUILTIN_PARTS)) or 'none'}"
                 )
             _check_weight(name, weight)
+        for name in ("accuracy_pm1", "require_answer_tag", "require_boxed", "auto_requires_analysis",
+                     "allow_empty_think_in_no_think"):
+            if not isinstance(getattr(self, name), bool):
+                raise KeyeConfigError(f"reward option {name} must be true or false, got {getattr(self, name)!r}")
         if self.math_backend not in _MATH_BACKENDS:
             raise KeyeConfigError(f"math_backend must be one of {_MATH_BACKENDS}, got {self.math_backend!r}")
         if self.markdown_kind not in _MARKDOWN_KINDS:

@@ -60,6 +60,7 @@ def test_unknown_reward_name_lists_known_ones() -> None:
         ({"overlong_max_len": 100, "overlong_buffer": 512}, "overlong_max_len"),
         ({"steps_min": 3, "steps_max": 2}, "steps_max"),
         ({"json_schema": {"type": "no-such-type"}}, "invalid JSON schema"),
+        ({"accuracy_pm1": "yes"}, "true or false"),
     ],
 )
 def test_bad_configs_raise_config_error(config: dict, match: str) -> None:
