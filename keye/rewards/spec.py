@@ -78,8 +78,8 @@ class RewardSpec:
             least min_repeats times at the end of the response.
         overlong_max_len, overlong_buffer: DAPO's L_max and L_buf, in tokens (``num_tokens=`` extra) or,
             without it, in estimated tokens (characters / 4).
-        max_chars: repetition and step counting read at most this many trailing characters (JSON answers and Python/JSON code
-            blocks longer than 200,000 characters are never parsed and fail their check).
+        max_chars: repetition and step counting read at most this many trailing characters (JSON answers
+            and Python/JSON code blocks longer than 200,000 characters are never parsed and fail their check).
     """
 
     format: float = 1.0
