@@ -119,8 +119,9 @@ def pair_text(sample: Sample, text_from: str = "assistant") -> str:
     return " ".join(p.strip() for p in parts if p.strip())
 
 
-def _rebase(row: dict[str, Any], sample: Sample, out_dir: Path) -> dict[str, Any]:
-    """Copy of ``row`` whose relative media paths are valid relative to ``out_dir``."""
+def rebase_row(row: dict[str, Any], sample: Sample, out_dir: Path) -> dict[str, Any]:
+    """Copy of manifest ``row`` (parsed as ``sample``) whose relative media paths are rewritten to be relative
+    to ``out_dir``; absolute paths, URLs and data URIs are kept."""
     row = dict(row)
     msgs = []
     for raw, parsed in zip(row["messages"], sample.messages):
@@ -225,10 +226,10 @@ def clip_filter_manifest(
         v = decided[s.index]
         if v is None:
             report.passed_through += 1
-            rows.append(_rebase(s.row, s, out_p.parent.resolve()))
+            rows.append(rebase_row(s.row, s, out_p.parent.resolve()))
         elif v > threshold:
             report.kept += 1
-            rows.append({**_rebase(s.row, s, out_p.parent.resolve()), "clip_score": round(v, 6)})
+            rows.append({**rebase_row(s.row, s, out_p.parent.resolve()), "clip_score": round(v, 6)})
         else:
             report.dropped += 1
     write_manifest(out_p, rows)
