@@ -105,3 +105,19 @@ def test_non_string_responses() -> None:
     # None counts as "", bytes are decoded; neither raises.
     assert score(None, reference="1", task="numeric").parts["accuracy"] == 0.0
     assert score(b"\\boxed{1}\xff", reference="1", task="numeric").parts["accuracy"] == 1.0
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(st.lists(st.sampled_from(FRAGMENTS), max_size=20).map("".join), min_size=1, max_size=8),
+       mode=st.sampled_from(MODES))
+def test_batch_matches_single_and_stats_stay_in_range(texts, mode) -> None:
+    from keye.rewards import aggregate_stats, score_batch
+
+    refs = ["12"] * len(texts)
+    batch = score_batch(texts, refs, tasks="numeric", modes=mode, spec=SPEC)
+    assert [r.as_dict() for r in batch] == [score(t, "12", "numeric", mode, SPEC).as_dict() for t in texts]
+    stats = aggregate_stats(batch)
+    for name in ("format", "accuracy", "repetition", "overlong"):
+        info = get_reward(name)
+        assert info.low <= stats[f"reward/{name}/mean"] <= info.high
+        assert stats[f"reward/{name}/std"] >= 0.0
