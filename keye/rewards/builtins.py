@@ -5,9 +5,10 @@ Each function takes a ``RewardContext`` and returns the part's value or ``None``
 Per-sample options come from ``ctx.extra`` and fall back to the spec:
 
 - ``choices`` (mc), ``precision`` / ``tolerance`` (numeric; ``tolerance`` is absolute), ``ordered`` (list);
-- ``instructions``: a dict of the constraints the prompt states: ``json`` (bool), ``json_schema``,
-  ``code_language`` (str, or True for any language), ``markdown`` ("list"/"table"), ``steps`` (int = at least that
-  many, or [min, max]), ``length`` ([min, max] words, max may be None). When a sample has an ``instructions`` dict,
+- ``instructions``: a dict of the constraints the prompt states: ``json`` (True, or a JSON schema dict),
+  ``json_schema``, ``code_language`` (a language, or True for the spec's default), ``markdown`` ("list" /
+  "table", or True for the spec's default), ``steps`` (int = at least that many, [min, max], or True for
+  the spec's window), ``length`` ([min, max] words, max may be None, or True for the spec's window). When a sample has an ``instructions`` dict,
   instruction parts it does not mention do not apply; without one, every weighted instruction part applies
   with the spec's defaults;
 - ``num_tokens``: the response length in tokens for ``overlong`` (estimated from characters otherwise).
@@ -138,7 +139,7 @@ def markdown_reward(ctx: RewardContext) -> float | None:
 
 
 def _window(value: Any, default_low: int, default_high: int | None, key: str) -> tuple[int, int | None]:
-    if value is None:
+    if value is None or value is True:
         return default_low, default_high
     if isinstance(value, int) and not isinstance(value, bool):
         return value, None

@@ -155,6 +155,8 @@ CASES = [
     inst("<think>1. a\n2. b</think>ans", {"steps": 3}, "steps", 0.0, "2 steps, at least 3 wanted"),
     inst("one two three four", {"length": [3, 5]}, "length", 1.0, "4 words in [3, 5]"),
     inst("one", {"length": [3, 5]}, "length", 0.0, "1 word below the window"),
+    inst("one", {"length": True}, "length", 1.0, "True: the spec's window [0, unbounded]"),
+    inst('{"a": 1}', {"json": {"type": "array"}}, "json", 0.0, "a schema given as the json value applies"),
     inst("我爱你", {"length": [3, 3]}, "length", 1.0, "each CJK character is one word"),
     inst('{"a": 1}', {"markdown": "list"}, "json", None, "instructions that do not ask for JSON: part absent"),
     # ---------------- repetition (training.md §2.3 II.3 rule-based repetition score) -------------------------
