@@ -48,7 +48,16 @@ def test_tiny_mathvista_greedy_batch_invariant(tiny_checkpoint, mathvista_dir, t
     outputs = []
     for name, batch in (("a", "1"), ("b", "4")):  # batched (left-padded) and one by one agree
         out = tmp_path / name
-        argv = ["eval", "mathvista", "--model", str(tiny_checkpoint), "--data", str(mathvista_dir), "--out", str(out)]
+        argv = [
+            "eval",
+            "mathvista",
+            "--model",
+            str(tiny_checkpoint),
+            "--data",
+            str(mathvista_dir),
+            "--out",
+            str(out),
+        ]
         assert main(argv + ["--max-new-tokens", "4", "--batch-size", batch, "--no-progress"]) == 0
         outputs.append([p["raw_output"] for p in _lines(out / "predictions.jsonl")])
         scores = json.loads((out / "scores.json").read_text())
@@ -61,7 +70,14 @@ def test_tiny_videoqa_on_a_real_clip(tiny_checkpoint, tmp_path) -> None:
     from keye.testing.processor import make_test_video
 
     make_test_video(tmp_path / "clip.mp4", n_frames=8, fps=4.0, size=(56, 56))
-    row = {"id": "c1", "video": "clip.mp4", "question": "What is shown?", "options": ["a", "b", "c", "d"], "answer": "A", "duration": "short"}
+    row = {
+        "id": "c1",
+        "video": "clip.mp4",
+        "question": "What is shown?",
+        "options": ["a", "b", "c", "d"],
+        "answer": "A",
+        "duration": "short",
+    }
     data = tmp_path / "vqa.jsonl"
     data.write_text(json.dumps(row) + "\n")
     out = tmp_path / "run"
