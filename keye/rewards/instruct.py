@@ -60,8 +60,12 @@ def canonical_language(name: str) -> str:
 
 
 def compile_schema(schema: Any, where: str = "json_schema") -> Any:
-    """A ``jsonschema`` validator for ``schema`` (cached); ``KeyeConfigError`` if the schema itself is invalid."""
-    import jsonschema
+    """A ``jsonschema`` validator for ``schema`` (cached); ``KeyeConfigError`` if the schema itself is invalid
+    or the ``jsonschema`` package is missing."""
+    try:
+        import jsonschema
+    except ImportError as err:
+        raise KeyeConfigError(f"{where}: JSON schemas need the jsonschema package: pip install 'keye[eval]'") from err
 
     try:
         key = json.dumps(schema, sort_keys=True)

@@ -192,9 +192,9 @@ class MathVerifier:
         backend: "process" (default) or "inline" (see the module docstring).
         cache_size: LRU entries (0 disables caching).
 
-    ``equivalent(gold, pred)`` never raises: a timeout, a math-verify error or a crashed worker count as
-    "not equivalent" and are tallied in ``stats`` (keys ``calls``, ``cache_hits``, ``timeouts``, ``errors``,
-    ``restarts``).
+    Raises ``KeyeConfigError`` when math-verify is not installed. ``equivalent(gold, pred)`` never raises: a
+    timeout, a math-verify error or a crashed worker count as "not equivalent" and are tallied in ``stats``
+    (keys ``calls``, ``cache_hits``, ``timeouts``, ``errors``, ``restarts``).
     """
 
     def __init__(self, timeout_s: float = 5.0, backend: str = "process", cache_size: int = 8192) -> None:
@@ -202,6 +202,13 @@ class MathVerifier:
             from keye.errors import KeyeConfigError
 
             raise KeyeConfigError(f"math timeout must be a positive number of seconds, got {timeout_s!r}")
+        import importlib.util
+
+        if importlib.util.find_spec("math_verify") is None:
+            from keye.errors import KeyeConfigError
+
+            # Without it every math answer would silently score as wrong.
+            raise KeyeConfigError("math answers need the math-verify package: pip install 'keye[eval]'")
         self.timeout_s = float(timeout_s)
         self.backend = backend
         self.cache_size = cache_size

@@ -134,3 +134,14 @@ def test_high_file_descriptors() -> None:
             os.close(fd)
         os.close(null)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_missing_math_verify_is_a_config_error(monkeypatch) -> None:
+    import importlib.util
+
+    from keye.errors import KeyeConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(KeyeConfigError, match="math-verify"):
+        MathVerifier()
