@@ -127,8 +127,12 @@ class PredictionStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def load(self) -> dict[str, dict[str, Any]]:
-        """Return ``{id: record}`` of the stored records, in file order (later duplicates win)."""
+    def load(self, repair: bool = True) -> dict[str, dict[str, Any]]:
+        """Return ``{id: record}`` of the stored records, in file order (later duplicates win).
+
+        With ``repair`` (for the file's writer) a cut last line is removed from the file and a lost final
+        newline restored; without it (another rank's file) the file is only read.
+        """
         if not self.path.exists():
             return {}
         data = self.path.read_bytes()
@@ -147,14 +151,15 @@ class PredictionStore:
                 except (ValueError, UnicodeDecodeError) as err:
                     if end >= len(data):
                         # The crash cut the last record short: forget it (it is answered again).
-                        self._truncate(pos)
+                        if repair:
+                            self._truncate(pos)
                         return records
                     raise KeyeInputError(
                         f"line {line_no} is not a valid record ({err})", path=self.path
                     ) from err
                 records[str(rec["id"])] = rec
             pos = end
-        if data and not data.endswith(b"\n"):
+        if repair and data and not data.endswith(b"\n"):
             # The last record is complete but its newline was lost: restore it before anything is appended.
             with open(self.path, "ab") as f:
                 f.write(b"\n")
@@ -318,11 +323,12 @@ def run_inference(
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise KeyeInputError("duplicate item id", item=dup)
-    done: set[str] = set(PredictionStore(out_path).load())
+    # Each file is repaired only by its writer (rank 0 owns out_path), so ranks never race on a file.
+    done: set[str] = set(PredictionStore(out_path).load(repair=rank == 0))
     if world_size > 1:
         for r in range(world_size):
             if part_path(out_path, r, world_size).exists():
-                done.update(PredictionStore(part_path(out_path, r, world_size)).load())
+                done.update(PredictionStore(part_path(out_path, r, world_size)).load(repair=r == rank))
     todo = [item for i, item in enumerate(items) if i % world_size == rank and ids[i] not in done]
     store = PredictionStore(part_path(out_path, rank, world_size))
     mine: list[dict[str, Any]] = []

@@ -157,6 +157,9 @@ def test_eval_videoqa_and_synth_with_fake_engine(tmp_path) -> None:
     assert result["overall"]["correct"] == 1 and result["overall"]["answered"] == 2
     assert result["duration"]["long"]["answered"] == 0
     assert json.loads((out / "report.json").read_text())["config"]["fps"] == 1.0
+    rescored = tmp_path / "rescored"
+    assert main(["eval", "score", "videoqa", str(out / "predictions.jsonl"), "--out", str(rescored)]) == 0
+    assert json.loads((rescored / "scores.json").read_text()) == result
 
     from keye.data.synth import generate_split
     from keye.eval import synth
@@ -172,6 +175,10 @@ def test_eval_videoqa_and_synth_with_fake_engine(tmp_path) -> None:
     result = json.loads((out_s / "scores.json").read_text())
     assert result["overall"] == {"correct": expected, "total": 4, "accuracy": expected / 4}
     assert sum(r["total"] for r in result["question_type"].values()) == 4
+    assert (
+        main(["eval", "score", "synth", str(out_s / "predictions.jsonl"), "--out", str(tmp_path / "s2")]) == 0
+    )
+    assert json.loads((tmp_path / "s2" / "scores.json").read_text()) == result
 
 
 def test_score_errors_and_help(tmp_path, capsys) -> None:

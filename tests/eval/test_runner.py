@@ -215,3 +215,13 @@ def test_keye_engine_glue() -> None:
     }
     with pytest.raises(KeyeInputError):
         KeyeEngine(model, processor, batch_size=0)
+
+
+def test_read_only_load_leaves_other_ranks_files_alone(tmp_path) -> None:
+    path = tmp_path / "p.rank1.jsonl"
+    content = '{"id": "q1"}\n{"id": "q3", "raw'
+    path.write_text(content)
+    assert list(PredictionStore(path).load(repair=False)) == ["q1"]
+    assert path.read_text() == content  # untouched: only its writer repairs it
+    assert list(PredictionStore(path).load()) == ["q1"]
+    assert path.read_text() == '{"id": "q1"}\n'
