@@ -427,7 +427,8 @@ def build_dataloader(
     if cost_model is None:
         from keye.data.cost import CostModel
 
-        cost_model = CostModel.from_processor(processor, cache=probe_cache)
+        mode = (processor_kwargs or {}).get("mode")  # the cost model must render prompts as the loader will
+        cost_model = CostModel.from_processor(processor, cache=probe_cache, mode=mode)
     costs, cost_bad = estimate_all(man, cost_model)
     plan_bad = list(man.bad_rows) + cost_bad
     n_rows = len(man.samples) + len(man.bad_rows)

@@ -18,6 +18,14 @@ def synth_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def small_synth(tmp_path_factory) -> Path:
+    """12 train samples (seed 5, a quarter image-only): the loader tests decode every sample several times."""
+    out = tmp_path_factory.mktemp("synth_small")
+    generate(out, train=12, test=0, seed=5, workers=0, image_fraction=0.25, progress=False)
+    return out / "train.jsonl"
+
+
 @pytest.fixture()
 def cache(tmp_path) -> ProbeCache:
     return ProbeCache(tmp_path / "probe.sqlite")

@@ -17,14 +17,14 @@ WORKER = Path(__file__).with_name("dist_loader_worker.py")
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_share_each_epoch(synth_dir: Path, tmp_path: Path):
+def test_torchrun_two_ranks_share_each_epoch(small_synth: Path, tmp_path: Path):
     proc_dir = make_tiny_processor_dir(tmp_path / "proc", "preview")
     out = tmp_path / "result.json"
     cache = tmp_path / "probe.sqlite"
     ProbeCache(cache)  # both ranks share one on-disk cache
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(WORKER), str(synth_dir / "train.jsonl"), str(proc_dir), str(cache), str(out),
+        str(WORKER), str(small_synth), str(proc_dir), str(cache), str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -35,6 +35,6 @@ def test_torchrun_two_ranks_share_each_epoch(synth_dir: Path, tmp_path: Path):
         per_rank = [r["epochs"][epoch] for r in ranks]
         assert len(per_rank[0]) == len(per_rank[1])  # lock-step micro-batch count
         flat = [i for mbs in per_rank for mb in mbs for i in mb]
-        assert sorted(flat) == list(range(24))  # every sample once: none twice, none dropped
+        assert sorted(flat) == list(range(12))  # every sample once: none twice, none dropped
         assert all(mb for mbs in per_rank for mb in mbs)
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # reshuffled per epoch

@@ -31,8 +31,8 @@ def _fingerprint(batch) -> tuple:
     return batch["epoch"], batch["micro_batch"], tuple(batch["sample_ids"]), h.hexdigest()
 
 
-def test_packed_batch_layout(synth_dir: Path, tiny_processor, cache: ProbeCache):
-    dl = _loader(synth_dir / "train.jsonl", tiny_processor, cache, world_size=1, rank=0)
+def test_packed_batch_layout(small_synth: Path, tiny_processor, cache: ProbeCache):
+    dl = _loader(small_synth, tiny_processor, cache, world_size=1, rank=0)
     costs = dl.costs
     for batch in dl:
         ids = batch["sample_ids"]
@@ -49,8 +49,8 @@ def test_packed_batch_layout(synth_dir: Path, tiny_processor, cache: ProbeCache)
     assert dl.epoch == 1
 
 
-def test_padded_batches(synth_dir: Path, tiny_processor, cache: ProbeCache):
-    dl = _loader(synth_dir / "train.jsonl", tiny_processor, cache, batch_size=3, batch_tokens=None, packing=False)
+def test_padded_batches(small_synth: Path, tiny_processor, cache: ProbeCache):
+    dl = _loader(small_synth, tiny_processor, cache, batch_size=3, batch_tokens=None, packing=False)
     seen = []
     for batch in dl:
         n, L = batch["input_ids"].shape
@@ -58,27 +58,27 @@ def test_padded_batches(synth_dir: Path, tiny_processor, cache: ProbeCache):
         assert batch["attention_mask"].sum(1).tolist() == batch["seq_lens"].tolist()
         assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
         seen += batch["sample_ids"]
-    assert sorted(seen) == list(range(24))
+    assert sorted(seen) == list(range(12))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_exactly_once_across_simulated_ranks(synth_dir: Path, tiny_processor, cache: ProbeCache, world: int):
+def test_exactly_once_across_simulated_ranks(small_synth: Path, tiny_processor, cache: ProbeCache, world: int):
     seen, lengths = [], set()
     for rank in range(world):
-        dl = _loader(synth_dir / "train.jsonl", tiny_processor, cache, world_size=world, rank=rank, seed=5)
+        dl = _loader(small_synth, tiny_processor, cache, world_size=world, rank=rank, seed=5)
         plan = dl.sampler.micro_batches_for(0)
         lengths.add(len(plan))
         seen += [i for mb in plan for i in mb]
     assert len(lengths) == 1
-    assert sorted(seen) == list(range(24))
+    assert sorted(seen) == list(range(12))
 
 
-def test_exactly_once_through_the_loader_two_ranks(synth_dir: Path, tiny_processor, cache: ProbeCache):
+def test_exactly_once_through_the_loader_two_ranks(small_synth: Path, tiny_processor, cache: ProbeCache):
     seen = []
     for rank in range(2):
-        for batch in _loader(synth_dir / "train.jsonl", tiny_processor, cache, world_size=2, rank=rank):
+        for batch in _loader(small_synth, tiny_processor, cache, world_size=2, rank=rank):
             seen += batch["sample_ids"]
-    assert sorted(seen) == list(range(24))
+    assert sorted(seen) == list(range(12))
 
 
 def _endless(dl):
@@ -86,21 +86,21 @@ def _endless(dl):
         yield from dl
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_equals_uninterrupted(synth_dir: Path, tiny_processor, cache: ProbeCache, workers: int):
-    kw = dict(world_size=2, rank=1, seed=9, num_workers=workers, batch_tokens=4096, max_bad_fraction=0.0)
-    dl = _loader(synth_dir / "train.jsonl", tiny_processor, cache, **kw)
+def test_resume_equals_uninterrupted(small_synth: Path, tiny_processor, cache: ProbeCache):
+    # Two workers with prefetching: the state must count batches handed out, not batches decoded.
+    kw = dict(world_size=2, rank=1, seed=9, num_workers=2, batch_tokens=3072, max_bad_fraction=0.0)
+    dl = _loader(small_synth, tiny_processor, cache, **kw)
     n = len(dl)
     full = [_fingerprint(b) for b in dl] + [_fingerprint(b) for b in dl]  # two uninterrupted epochs
     assert n >= 3 and len(full) == 2 * n
     k = n + 2  # stop inside the second epoch
-    first = _loader(synth_dir / "train.jsonl", tiny_processor, cache, **kw)
+    first = _loader(small_synth, tiny_processor, cache, **kw)
     stream = _endless(first)
     got = [_fingerprint(next(stream)) for _ in range(k)]
     state = first.state_dict()
     assert (state["epoch"], state["position"]) == (1, 2)
     stream.close()
-    resumed = _loader(synth_dir / "train.jsonl", tiny_processor, cache, **kw)
+    resumed = _loader(small_synth, tiny_processor, cache, **kw)
     resumed.load_state_dict(state)
     got += [_fingerprint(b) for b in resumed]
     assert got == full
@@ -108,9 +108,9 @@ def test_resume_equals_uninterrupted(synth_dir: Path, tiny_processor, cache: Pro
     assert resumed.summary()["samples_ok"] == first.samples_ok + sum(len(f[2]) for f in full[k:])
 
 
-def test_bad_rows_and_samples_are_skipped_and_reported(synth_dir: Path, tiny_processor, cache, tmp_path):
+def test_bad_rows_and_samples_are_skipped_and_reported(small_synth: Path, tiny_processor, cache, tmp_path):
     root = tmp_path / "set"
-    shutil.copytree(synth_dir, root)
+    shutil.copytree(small_synth.parent, root)
     lines = (root / "train.jsonl").read_text().splitlines()
     lines.insert(3, "{broken json")  # malformed row (line 4)
     lines.insert(7, lines[0].replace('"train-000000"', '"dup-missing"').replace("000000.", "999999."))  # missing file
@@ -137,12 +137,12 @@ def test_bad_rows_and_samples_are_skipped_and_reported(synth_dir: Path, tiny_pro
     assert len(log.read_text().splitlines()) == 4
 
 
-def test_too_many_bad_fails_clearly(synth_dir: Path, tiny_processor, cache, tmp_path):
+def test_too_many_bad_fails_clearly(small_synth: Path, tiny_processor, cache, tmp_path):
     root = tmp_path / "set"
-    shutil.copytree(synth_dir, root)
+    shutil.copytree(small_synth.parent, root)
     with open(root / "train.jsonl", "a") as f:
-        f.write("{bad\n" * 6)
-    with pytest.raises(KeyeInputError, match=r"6 of 30 rows are unusable .* max_bad_fraction=10.0%"):
+        f.write("{bad\n" * 2)
+    with pytest.raises(KeyeInputError, match=r"2 of 14 rows are unusable .* max_bad_fraction=10.0%"):
         _loader(root / "train.jsonl", tiny_processor, cache, max_bad_fraction=0.1)
     # Load-time failures past the threshold stop the run at the end of the epoch at the latest.
     dl = _loader(root / "train.jsonl", tiny_processor, cache, max_bad_fraction=0.25)
