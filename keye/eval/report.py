@@ -127,7 +127,7 @@ def mathvista_report(scores: Mapping[str, Any]) -> tuple[Row, dict[str, list[Row
 def videoqa_report(result: Mapping[str, Any]) -> tuple[Row, dict[str, list[Row]]]:
     """Overall row and one table per breakdown (official accuracy over answered items, and strict)."""
 
-    def row(name_key: str, name: Any, r: Mapping[str, Any]) -> Row:
+    def _row(name_key: str, name: Any, r: Mapping[str, Any]) -> Row:
         return {
             name_key: name,
             "correct": r["correct"],
@@ -137,9 +137,9 @@ def videoqa_report(result: Mapping[str, Any]) -> tuple[Row, dict[str, list[Row]]
             "strict accuracy %": _pct(r["strict_accuracy"]),
         }
 
-    overall = {k: v for k, v in row("set", "all", result["overall"]).items() if k != "set"}
+    overall = {k: v for k, v in _row("set", "all", result["overall"]).items() if k != "set"}
     tables = {
-        key: [row(key, value, r) for value, r in table.items()]
+        key: [_row(key, value, r) for value, r in table.items()]
         for key, table in result.items()
         if key not in ("overall", "per_item")
     }

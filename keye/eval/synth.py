@@ -134,11 +134,11 @@ def score_records(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             if rec.get(key) is not None:
                 table.setdefault(str(rec[key]), []).append(ok)
 
-    def row(oks: list[bool]) -> dict[str, Any]:
+    def _row(oks: list[bool]) -> dict[str, Any]:
         return {"correct": sum(oks), "total": len(oks), "accuracy": sum(oks) / len(oks) if oks else 0.0}
 
-    result: dict[str, Any] = {"overall": row(outcomes)}
+    result: dict[str, Any] = {"overall": _row(outcomes)}
     for key, table in tables.items():
-        result[key] = {v: row(table[v]) for v in sorted(table)}
+        result[key] = {v: _row(table[v]) for v in sorted(table)}
     result["per_item"] = per_item
     return result

@@ -168,7 +168,7 @@ def score_records(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             if rec.get(key) is not None:
                 groups[key].setdefault(rec[key], []).append(outcome)
 
-    def row(outcomes: list[tuple[bool, bool]]) -> dict[str, Any]:
+    def _row(outcomes: list[tuple[bool, bool]]) -> dict[str, Any]:
         answered = sum(a for a, _ in outcomes)
         correct = sum(c for _, c in outcomes)
         return {
@@ -179,9 +179,9 @@ def score_records(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             "strict_accuracy": _acc(correct, len(outcomes)),
         }
 
-    result: dict[str, Any] = {"overall": row(overall)}
+    result: dict[str, Any] = {"overall": _row(overall)}
     for key, table in groups.items():
         if table:
-            result[key] = {value: row(outs) for value, outs in table.items()}
+            result[key] = {value: _row(outs) for value, outs in table.items()}
     result["per_item"] = per_item
     return result
