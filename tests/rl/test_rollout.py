@@ -1,0 +1,143 @@
+"""Rollouts: prompt pieces survive split/collate, and the training forward sees the rollout's exact inputs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from keye.errors import KeyeConfigError
+from keye.rl.logprobs import token_logprobs
+from keye.rl.rollout import LocalRollout, RLPrompt, VLLMRollout, collate_prompts, collate_samples, split_batch
+from tests.rl.conftest import image
+
+# a third of the ordinary vocabulary stops generation, so rows end at different lengths
+STOP_IDS = list(range(0, 480, 3)) + [482]
+
+
+def _prompts(video_path) -> list[RLPrompt]:
+    vid = {"type": "video", "video": str(video_path), "nframes": 4, "resized_height": 56, "resized_width": 56}
+    return [
+        RLPrompt("img", [{"role": "user", "content": [{"type": "image", "image": image(1)},
+                                                      {"type": "text", "text": "what is shown?"}]}], mode="think"),
+        RLPrompt("txt", [{"role": "user", "content": "add 2 and 3"}], mode="no_think"),
+        RLPrompt("vid", [{"role": "user", "content": [vid, {"type": "text", "text": "count the frames"}]}]),
+        RLPrompt("img2", [{"role": "user", "content": [{"type": "image", "image": image(2, 84, 56)},
+                                                       {"type": "image", "image": image(3)},
+                                                       {"type": "text", "text": "compare"}]}], mode="auto"),
+    ]
+
+
+def test_split_then_collate_reproduces_the_processor_batch(rl_processor, rl_video):
+    convs = [p.messages for p in _prompts(rl_video.path)]
+    batch = rl_processor(convs, return_tensors="pt")
+    pieces = split_batch(batch, rl_processor.image_token_id, rl_processor.video_token_id)
+    assert [p.image_grid_thw.shape[0] if p.image_grid_thw is not None else 0 for p in pieces] == [1, 0, 0, 2]
+    assert pieces[2].second_per_grid_ts is not None and pieces[0].pixel_values_videos is None
+    again = collate_prompts(pieces, rl_processor.pad_token_id)
+    assert set(again) == set(batch)
+    for key, value in batch.items():
+        assert torch.equal(again[key], value), key
+
+
+class _Recorder:
+    """Records the keyword inputs and the position ids of every forward call of a model."""
+
+    def __init__(self, model):
+        self.calls = []
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        self.calls.append((dict(kwargs), output.position_ids.detach().clone()))
+
+    def close(self):
+        self.handle.remove()
+
+
+def test_training_forward_sees_the_rollout_pixels_and_positions(tiny_model, rl_processor, rl_video):
+    prompts = _prompts(rl_video.path)
+    n = 2
+    engine = LocalRollout(tiny_model, rl_processor, max_new_tokens=6, temperature=0.9, seed=3,
+                          max_batch_size=64, eos_token_id=STOP_IDS)
+    rec = _Recorder(tiny_model)
+    samples = engine.generate(prompts, n)
+    rec.close()
+    assert [s.group for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.prompt.id for s in samples[::2]] == ["img", "txt", "vid", "img2"]
+    lengths = [int(s.response_ids.numel()) for s in samples]
+    assert len(set(lengths)) > 1, "test needs responses of different lengths"
+    for s in samples:
+        ends_in_stop = int(s.response_ids[-1]) in STOP_IDS
+        assert s.finished == ends_in_stop
+        assert not any(int(t) in STOP_IDS for t in s.response_ids[:-1])  # nothing after the first EOS
+
+    prefill_kwargs, prefill_pos = rec.calls[0]
+    decode_pos = [pos for _, pos in rec.calls[1:]]  # decode call j feeds response token j
+
+    batch = collate_samples(samples, rl_processor.pad_token_id)
+    train = _Recorder(tiny_model)
+    with torch.no_grad():
+        out = token_logprobs(tiny_model, batch, batch["responses"], batch["response_attention"], temperature=0.9)
+    train.close()
+    (train_kwargs, train_pos), = train.calls
+
+    # the same pixel rows, grids and video timing reach the training forward
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        assert torch.equal(train_kwargs[key], prefill_kwargs[key]), key
+    # ... and the same 3-D positions: prompt (attended slots) and every response token the rollout fed back
+    prompt_len = prefill_pos.shape[2]
+    att = batch["attention_mask"].bool()
+    assert torch.equal(train_pos[:, :, :prompt_len][:, att], prefill_pos[:, att])
+    checked = 0
+    for b, k in enumerate(lengths):
+        for j in range(min(k, len(decode_pos))):
+            assert torch.equal(train_pos[:, b, prompt_len + j], decode_pos[j][:, b, 0]), (b, j)
+            checked += 1
+    assert checked >= sum(lengths) - len(lengths)
+    # the log-probs of the one training forward equal those of the incremental KV-cache decoding
+    for b, s in enumerate(samples):
+        torch.testing.assert_close(out.logp[b, : lengths[b]], s.rollout_logp, atol=2e-4, rtol=1e-4)
+        assert torch.all(out.logp[b, lengths[b] :] == 0)
+
+    # the check has teeth: without the video timing the video rows' positions, hence log-probs, change
+    broken = {k: v for k, v in batch.items() if k != "second_per_grid_ts"}
+    with torch.no_grad():
+        bad = token_logprobs(tiny_model, broken, batch["responses"], batch["response_attention"], temperature=0.9)
+    vid_rows = [b for b, s in enumerate(samples) if s.prompt.id == "vid"]
+    assert not torch.allclose(bad.logp[vid_rows], out.logp[vid_rows], atol=1e-3)
+
+
+def test_chunked_and_full_logits_agree_with_gradients(tiny_model, rl_processor, rl_video):
+    prompts = _prompts(rl_video.path)[:2]
+    engine = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=1, eos_token_id=STOP_IDS)
+    batch = collate_samples(engine.generate(prompts, 2), rl_processor.pad_token_id)
+    tiny_model.train()
+    grads = []
+    for chunk in (3, None):
+        tiny_model.zero_grad()
+        out = token_logprobs(tiny_model, batch, batch["responses"], batch["response_attention"],
+                             chunk_size=chunk, with_entropy=True)
+        (out.logp.sum() + out.entropy.sum()).backward()
+        grads.append((out.logp.detach(), out.entropy.detach(), tiny_model.lm_head.weight.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0][2], grads[1][2], atol=1e-5, rtol=1e-4)
+    assert bool((grads[0][1][batch["response_attention"]] > 0).all())
+
+
+def test_local_rollout_is_deterministic_per_seed(tiny_model, rl_processor, rl_video):
+    prompts = _prompts(rl_video.path)[:2]
+
+    def run(seed):
+        eng = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=seed, max_batch_size=3)
+        return [s.response_ids.tolist() for s in eng.generate(prompts, 3)]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_vllm_rollout_reports_missing_vllm(monkeypatch, rl_processor):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(KeyeConfigError, match="vllm"):
+        VLLMRollout("some/model", rl_processor)
