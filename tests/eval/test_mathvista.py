@@ -293,3 +293,18 @@ def test_missing_fields_are_named() -> None:
         mv.score_records(
             [{"pid": "5", "answer": "1", "question_type": "free_form", "answer_type": "integer"}]
         )
+
+
+def test_offline_without_local_copy_is_a_clear_error(monkeypatch) -> None:
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no route to huggingface.co")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(KeyeInputError, match="cannot load AI4Math/MathVista split 'testmini'.*--data"):
+        mv.load_mathvista("testmini")
+    from keye.eval import mmmu
+
+    with pytest.raises(KeyeInputError, match="cannot load MMMU/MMMU config 'Art'.*--data"):
+        mmmu.load_mmmu("validation", subjects=["Art"])
