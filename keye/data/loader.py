@@ -359,17 +359,47 @@ def _dist_layout(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return (world_size if world_size is not None else ws), (rank if rank is not None else rk)
 
 
-def estimate_all(manifest: Manifest, cost_model: SupportsCost) -> tuple[list[Any | None], list[BadRow]]:
-    """Run the cost model over every sample; samples it rejects become :class:`BadRow`\\ s."""
-    costs: list[Any | None] = []
+def estimate_all(
+    manifest: Manifest, cost_model: SupportsCost, *, shard: tuple[int, int] = (0, 1)
+) -> tuple[list[Any | None], list[BadRow]]:
+    """Run the cost model over the samples of one shard (``index % n == k`` for ``shard=(k, n)``).
+
+    Returns per-sample costs (``None`` for samples outside the shard or rejected) and the rejected samples
+    as :class:`BadRow` (the cost model raises :class:`KeyeInputError` for missing/corrupt media and for
+    media the processor's sizing rules refuse).
+    """
+    k, n = shard
+    costs: list[Any | None] = [None] * len(manifest.samples)
     bad: list[BadRow] = []
-    for s in manifest.samples:
+    for s in manifest.samples[k::n]:
         try:
-            costs.append(cost_model.estimate(s))
+            costs[s.index] = cost_model.estimate(s)
         except KeyeInputError as err:
-            costs.append(None)
-            bad.append(BadRow(s.line, err.reason if hasattr(err, "reason") else str(err), s.id))
+            bad.append(BadRow(s.line, err.reason, s.id))
     return costs, bad
+
+
+def _estimate_distributed(
+    manifest: Manifest, cost_model: SupportsCost, world_size: int, rank: int
+) -> tuple[list[Any | None], list[BadRow]]:
+    """Each rank probes/estimates 1/world of the samples, then all ranks exchange results, so a cold probe
+    cache costs every rank 1/world of the work (falls back to all samples without a matching process group).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size > 1):
+        return estimate_all(manifest, cost_model)
+    costs, bad = estimate_all(manifest, cost_model, shard=(rank, world_size))
+    mine = ({i: c for i, c in enumerate(costs) if c is not None}, bad)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    merged: list[Any | None] = [None] * len(manifest.samples)
+    all_bad: list[BadRow] = []
+    for part, part_bad in gathered:
+        for i, c in part.items():
+            merged[i] = c
+        all_bad += part_bad
+    all_bad.sort(key=lambda b: b.line)
+    return merged, all_bad
 
 
 def build_dataloader(
@@ -429,7 +459,7 @@ def build_dataloader(
 
         mode = (processor_kwargs or {}).get("mode")  # the cost model must render prompts as the loader will
         cost_model = CostModel.from_processor(processor, cache=probe_cache, mode=mode)
-    costs, cost_bad = estimate_all(man, cost_model)
+    costs, cost_bad = _estimate_distributed(man, cost_model, world_size, rank)
     plan_bad = list(man.bad_rows) + cost_bad
     n_rows = len(man.samples) + len(man.bad_rows)
     if n_rows and len(plan_bad) / n_rows > max_bad_fraction:

@@ -27,7 +27,9 @@ def main() -> None:
             manifest, proc, batch_tokens=4096, num_workers=0, seed=2,
             cost_model=CostModel(proc, cache=ProbeCache(cache_path)),
         )
-        mine = {"rank": dist.get_rank(), "world": dl.sampler.world_size, "epochs": []}
+        # Costs were estimated half on each rank and exchanged: every rank must hold the full, same list.
+        tokens = [c.tokens for c in dl.costs]
+        mine = {"rank": dist.get_rank(), "world": dl.sampler.world_size, "epochs": [], "tokens": tokens}
         for _ in range(2):
             ids = [batch["sample_ids"] for batch in dl]
             mine["epochs"].append(ids)

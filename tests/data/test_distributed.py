@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from keye.data.cost import CostModel
+from keye.data.manifest import read_manifest
 from keye.data.probe import ProbeCache
+from keye.processing.processor import KeyeProcessor
 from keye.testing.processor import make_tiny_processor_dir
 
 WORKER = Path(__file__).with_name("dist_loader_worker.py")
@@ -31,6 +34,10 @@ def test_torchrun_two_ranks_share_each_epoch(small_synth: Path, tmp_path: Path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ranks = json.loads(out.read_text())
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
+    proc = KeyeProcessor.from_pretrained(proc_dir)
+    local = [CostModel(proc, cache=ProbeCache(tmp_path / "local.sqlite")).estimate(s).tokens
+             for s in read_manifest(small_synth).samples]
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == local  # sharded estimation, gathered
     for epoch in range(2):
         per_rank = [r["epochs"][epoch] for r in ranks]
         assert len(per_rank[0]) == len(per_rank[1])  # lock-step micro-batch count
