@@ -420,14 +420,8 @@ class KeyeImageProcessor:
             height, width, c.factor, c.min_pixels, c.max_pixels, clamp_min_side=True, item=item, path=path
         )
 
-    def normalize(self, frames_u8: np.ndarray) -> np.ndarray:
-        """uint8 (or integer-valued float) ``[T, H, W, C]`` -> float32 ``[T, C, H, W]``.
-
-        Rescale is computed in float64 and stored as float32, then ``(x - mean) / std`` in float32, as
-        transformers does.
-        """
+    def _pixel_maths(self, x: np.ndarray) -> np.ndarray:
         c = self.config
-        x = frames_u8
         if c.do_rescale:
             x = (x.astype(np.float64) * c.rescale_factor).astype(np.float32)
         else:
@@ -436,7 +430,20 @@ class KeyeImageProcessor:
             mean = np.asarray(c.image_mean, dtype=np.float32)
             std = np.asarray(c.image_std, dtype=np.float32)
             x = (x - mean) / std
-        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        return x
+
+    def normalize(self, frames_u8: np.ndarray) -> np.ndarray:
+        """uint8 (or integer-valued float) ``[T, H, W, C]`` -> float32 ``[T, C, H, W]``.
+
+        Rescale is computed in float64 and stored as float32, then ``(x - mean) / std`` in float32, as
+        transformers does. uint8 input goes through a per-channel 256-entry table holding exactly those
+        values (same bits, ~10x faster on video).
+        """
+        if frames_u8.dtype == np.uint8:
+            levels = np.repeat(np.arange(256, dtype=np.uint8)[:, None], frames_u8.shape[-1], axis=1)
+            lut = self._pixel_maths(levels)  # [256, C], computed by the exact same maths
+            return np.stack([lut[:, ch][frames_u8[..., ch]] for ch in range(frames_u8.shape[-1])], axis=1)
+        return np.ascontiguousarray(self._pixel_maths(frames_u8).transpose(0, 3, 1, 2))
 
     def _resize_pil(self, img: Image.Image, size_hw: tuple[int, int]) -> np.ndarray:
         arr = np.asarray(img, dtype=np.uint8)
