@@ -490,6 +490,7 @@ def build_dataloader(
         seed=seed,
         shuffle=shuffle,
         fill=fill,
+        length_grouped=not packing and batch_size is not None and micro_batches > 1,
     )
     for i in sampler.too_long:
         s = man.samples[i]

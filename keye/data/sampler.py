@@ -68,6 +68,9 @@ class BalancedSampler:
         seed: shuffling seed; the plan of epoch e depends only on (seed, e) and the inputs.
         shuffle: shuffle units each epoch (False keeps manifest order, useful for evaluation).
         fill: in ``batch_tokens`` mode, target fraction of the step's total budget to fill before balancing.
+        length_grouped: for padded training (``batch_size`` mode): split each rank's share into micro-batches
+            of similar length (sorted by tokens, cut into equal-count runs) instead of by cost, so padding
+            is small; the per-rank cost balance is unchanged.
 
     Raises:
         KeyeConfigError: inconsistent arguments or fewer samples than ``world_size * micro_batches``.
@@ -88,6 +91,7 @@ class BalancedSampler:
         seed: int = 0,
         shuffle: bool = True,
         fill: float = 0.9,
+        length_grouped: bool = False,
     ):
         if len(tokens) != len(costs):
             raise KeyeConfigError(f"tokens ({len(tokens)}) and costs ({len(costs)}) differ in length")
@@ -107,6 +111,9 @@ class BalancedSampler:
         self.batch_size, self.batch_tokens = batch_size, batch_tokens
         self.micro_batches = micro_batches
         self.seed, self.shuffle, self.fill = seed, shuffle, fill
+        if length_grouped and batch_tokens is not None:
+            raise KeyeConfigError("length_grouped applies to batch_size mode (padded training)")
+        self.length_grouped = length_grouped
         excluded = set(int(i) for i in exclude)
         self.too_long = sorted(
             i for i, t in enumerate(self.tokens) if batch_tokens is not None and t > batch_tokens and i not in excluded
@@ -163,6 +170,11 @@ class BalancedSampler:
         over_items: list[list[int]] = []
         for share in per_rank:
             idx = [items[k] for k in share]
+            if self.length_grouped:
+                by_len = sorted(idx, key=lambda i: (self.tokens[i], i))
+                ranks.append([sorted(c.tolist()) for c in np.array_split(np.asarray(by_len), self.micro_batches)])
+                over_items.append([])
+                continue
             bins, over = split_into_bins(
                 [self.costs[i] for i in idx],
                 self.micro_batches,

@@ -21,6 +21,7 @@ def _mix(n: int, seed: int = 0) -> tuple[list[int], list[float]]:
 
 MODES = [
     dict(batch_size=3),
+    dict(batch_size=4, micro_batches=3, length_grouped=True),
     dict(batch_size=2, micro_batches=2),
     dict(batch_tokens=4096),
     dict(batch_tokens=4096, micro_batches=2),
@@ -90,3 +91,13 @@ def test_too_long_and_too_few():
         BalancedSampler([1, 2, 3], [1.0] * 3, world_size=4, rank=0, batch_size=1)
     with pytest.raises(KeyeConfigError, match="exactly one"):
         BalancedSampler([1], [1.0], batch_size=1, batch_tokens=5)
+
+
+def test_length_grouped_micro_batches_are_contiguous_in_length():
+    tokens, costs = _mix(96, seed=4)
+    s = BalancedSampler(tokens, costs, world_size=2, rank=0, batch_size=4, micro_batches=3, length_grouped=True)
+    for step in s.plan(0).steps:
+        for mbs in step.ranks:
+            spans = [(min(tokens[i] for i in mb), max(tokens[i] for i in mb)) for mb in mbs]
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # runs of increasing length
+            assert max(len(mb) for mb in mbs) - min(len(mb) for mb in mbs) <= 1
