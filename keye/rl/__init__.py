@@ -10,9 +10,12 @@ Public pieces:
 - rollout.py: :class:`RLPrompt`, :class:`PromptInputs`, :class:`RolloutSample`, :class:`RolloutEngine`,
   :class:`LocalRollout`, :class:`VLLMRollout`, :func:`split_batch`, :func:`collate_prompts`,
   :func:`collate_samples`;
-- replay.py: :class:`ReplayPool`, :class:`ReplayEntry`, :func:`collect`, :func:`replay_samples`;
+- replay.py: :class:`ReplayPool`, :class:`ReplayEntry`, :func:`collect`, :func:`replay_samples`,
+  :func:`add_replay`;
 - sampling.py: :func:`dynamic_sample`, :func:`filter_prompts`, :class:`ModeMix`, :func:`group_minibatches`;
 - scoring.py: :class:`RewardScorer`, :class:`Scores`;
+- update.py: :func:`set_scores`, :func:`assign_advantages`, :func:`fill_logprobs`,
+  :func:`accumulate_policy_gradients`;
 - tree.py / tree_attention.py: shared-prefix tree batches (import those modules directly).
 """
 
@@ -30,7 +33,7 @@ from keye.rl.advantages import (
 from keye.rl.logprobs import LogprobOutput, token_logprobs
 from keye.rl.losses import aggregate, kl_penalty, policy_loss
 from keye.rl.masks import lengths_to_mask, response_lengths, response_mask, split_response
-from keye.rl.replay import CollectStats, ReplayEntry, ReplayPool, collect, replay_samples
+from keye.rl.replay import CollectStats, ReplayEntry, ReplayPool, add_replay, collect, replay_samples
 from keye.rl.rollout import (
     LocalRollout,
     PromptInputs,
@@ -51,6 +54,7 @@ from keye.rl.sampling import (
     is_informative,
 )
 from keye.rl.scoring import RewardScorer, Scores
+from keye.rl.update import accumulate_policy_gradients, assign_advantages, fill_logprobs, set_scores
 
 __all__ = [
     "DIFFICULTY_PRESETS",
@@ -69,12 +73,16 @@ __all__ = [
     "RolloutSample",
     "Scores",
     "VLLMRollout",
+    "accumulate_policy_gradients",
+    "add_replay",
     "aggregate",
+    "assign_advantages",
     "collate_prompts",
     "collate_samples",
     "collect",
     "difficulty_reshape",
     "dynamic_sample",
+    "fill_logprobs",
     "filter_prompts",
     "group_advantages",
     "group_minibatches",
@@ -88,6 +96,7 @@ __all__ = [
     "response_lengths",
     "response_mask",
     "rlep_advantages",
+    "set_scores",
     "split_batch",
     "split_response",
     "token_logprobs",

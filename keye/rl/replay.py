@@ -359,3 +359,35 @@ def replay_samples(
             text="", finished=False, source="replay", valid=False,
         ))
     return out
+
+
+def add_replay(
+    fresh: Sequence[RolloutSample],
+    pool: ReplayPool,
+    m: int,
+    *,
+    encode: Callable[[str], list[int]],
+    eos_id: int,
+    max_response_len: int,
+    rng: random.Random | None = None,
+    match_mode: bool = True,
+) -> list[RolloutSample]:
+    """RLEP phase B for a whole rollout batch: after each group's fresh samples, append its ``m`` replay rows
+    (:func:`replay_samples`, sharing the group's prompt and processor outputs). Group order is the order
+    of first appearance in ``fresh``; ``m = 0`` returns the fresh samples regrouped."""
+    order: list[int] = []
+    by_group: dict[int, list[RolloutSample]] = {}
+    for s in fresh:
+        if s.group not in by_group:
+            order.append(s.group)
+            by_group[s.group] = []
+        by_group[s.group].append(s)
+    out: list[RolloutSample] = []
+    for g in order:
+        members = by_group[g]
+        out.extend(members)
+        if m > 0:
+            first = members[0]
+            out.extend(replay_samples(pool, first.prompt, g, first.inputs, m, encode=encode, eos_id=eos_id,
+                                      max_response_len=max_response_len, rng=rng, match_mode=match_mode))
+    return out

@@ -70,7 +70,9 @@ class RolloutSample:
     with an EOS (False = cut at ``max_new_tokens``). ``source``: ``"rollout"`` or ``"replay"``.
     ``valid``: False for a missing replay slot (no tokens, excluded from advantages and loss).
     ``rollout_logp``: float32 [n] log-probs of the sampled tokens under the engine's (tempered,
-    unfiltered) distribution, when the engine provides them.
+    unfiltered) distribution, when the engine provides them. ``reward`` / ``passed`` / ``advantage``: filled
+    by scoring and :func:`keye.rl.advantages.sample_advantages`; ``old_logp`` / ``ref_logp``: float32 [n]
+    filled by :func:`keye.rl.update.fill_logprobs` (behaviour and reference policy).
     """
 
     prompt: RLPrompt
@@ -83,7 +85,16 @@ class RolloutSample:
     valid: bool = True
     rollout_logp: torch.Tensor | None = None
     reward: float | None = None
+    passed: bool | None = None
+    advantage: float | None = None
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens that enter the loss (0 for an invalid sample)."""
+        return int(self.response_ids.numel()) if self.valid else 0
 
 
 # ------------------------------------------------------------------------------------- splitting batches
@@ -166,7 +177,8 @@ def collate_samples(
     Returns the :func:`collate_prompts` keys plus ``responses`` int64 [B, N] (right-padded with ``pad_id``),
     ``response_attention`` bool [B, N] (real tokens), ``response_mask`` bool [B, N] (loss mask: real tokens
     minus ``exclude_ids``; all False for invalid samples), ``group_ids`` int64 [B], ``valid`` bool [B] and
-    ``is_replay`` bool [B].
+    ``is_replay`` bool [B]; when every sample has them, ``advantages`` float32 [B] and ``old_logp`` /
+    ``ref_logp`` float32 [B, N] (0 on padding).
     """
     batch = collate_prompts([s.inputs for s in samples], pad_id)
     n = max((int(s.response_ids.numel()) for s in samples), default=0)
@@ -188,6 +200,16 @@ def collate_samples(
         valid=torch.tensor([s.valid for s in samples], dtype=torch.bool),
         is_replay=torch.tensor([s.source == "replay" for s in samples], dtype=torch.bool),
     )
+    if all(s.advantage is not None for s in samples):
+        batch["advantages"] = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
+    for key in ("old_logp", "ref_logp"):
+        if all(getattr(s, key) is not None or not s.valid for s in samples):
+            values = torch.zeros(len(samples), n, dtype=torch.float32)
+            for i, s in enumerate(samples):
+                k = int(lengths[i])
+                if k:
+                    values[i, :k] = getattr(s, key)[:k].float()
+            batch[key] = values
     return batch
 
 
