@@ -246,7 +246,8 @@ class KeyeProcessor:
         d = cls._resolve_dir(path_or_hub_id)
         var = cls.detect_variant(d, variant)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(d))
+            # The checkpoint config.json may carry auto_map (remote code); the tokenizer never needs it.
+            tokenizer = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
         except Exception as err:  # transformers raises OSError/ValueError/... for broken tokenizer files
             raise KeyeConfigError(f"cannot load the tokenizer from {d}: {err}") from err
         pre = d / "preprocessor_config.json"

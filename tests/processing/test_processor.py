@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from keye.errors import KeyeConfigError
+from keye.errors import KeyeConfigError, KeyeInputError
 from keye.processing.chat import (
     OFFICIAL_CHAT_TEMPLATE,
     ChatTemplate,
@@ -320,3 +320,44 @@ def test_hub_offline_error_is_clear(monkeypatch):
         KeyeProcessor.from_pretrained("Kwai-Keye/Keye-VL-1_5-8B")
     with pytest.raises(KeyeConfigError, match="does not exist"):
         KeyeProcessor.from_pretrained("/no/such/dir")
+
+
+def test_http_sources(tmp_path, proc):
+    import functools
+    import http.server
+    import threading
+
+    from keye.testing.processor import make_test_video
+
+    shutil_img = tmp_path / "a.png"
+    Image.open(IMG / "img1_100x60.png").save(shutil_img)
+    make_test_video(tmp_path / "v.mp4", 20, fps=10, size=(64, 128))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        b = proc(
+            _user(
+                {"type": "image", "image": f"{base}/a.png"},
+                {"type": "video", "video": f"{base}/v.mp4", "fps": 2.0},
+            )
+        )
+        local = proc(
+            _user(_img("img1_100x60.png"), {"type": "video", "video": str(tmp_path / "v.mp4"), "fps": 2.0})
+        )
+        assert torch.equal(b.pixel_values, local.pixel_values)
+        assert torch.equal(b.pixel_values_videos, local.pixel_values_videos)
+        with pytest.raises(KeyeInputError, match="cannot download"):
+            proc(_user({"type": "image", "image": f"{base}/missing.png"}))
+    finally:
+        server.shutdown()
+
+
+def test_batch_pickles_with_meta(proc):
+    import pickle
+
+    b = proc(_user(_img("img1_100x60.png")))
+    again = pickle.loads(pickle.dumps(b))
+    assert torch.equal(again.input_ids, b.input_ids) and again.image_meta == b.image_meta

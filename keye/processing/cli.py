@@ -1,0 +1,116 @@
+"""``keye process`` (what the processor makes of a message file) and ``keye chat`` (one-shot generation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from keye.errors import KeyeInputError
+
+
+def _default_dir() -> str | None:
+    try:
+        from keye.tiny import tiny_dir
+
+        return str(tiny_dir())
+    except Exception:  # the embedded checkpoint is optional; the user then has to name a directory
+        return None
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register ``keye process`` and ``keye chat``."""
+    p = subparsers.add_parser(
+        "process",
+        help="show token counts, sampled frames, slow/fast types and grids for a message JSON file",
+        description="Run KeyeProcessor on a JSON file holding one conversation (a list of messages) or a "
+        "list of conversations, and print a JSON summary (no pixels).",
+    )
+    p.add_argument("messages", help="JSON file with messages in the qwen-vl-utils form ('-' for stdin)")
+    p.add_argument(
+        "--processor", default=None, help="processor / checkpoint directory or hub id (default keye-tiny)"
+    )
+    p.add_argument("--variant", choices=["preview", "1.5"], default=None)
+    p.add_argument("--mode", choices=["think", "no_think", "auto"], default=None)
+    p.add_argument("--backend", choices=["pyav", "decord", "torchcodec"], default=None, help="video decoder")
+    p.add_argument("--training", action="store_true", help="build labels and count the trained tokens")
+    p.set_defaults(func=_process)
+
+    c = subparsers.add_parser("chat", help="ask a Keye-VL checkpoint one question about images / videos")
+    c.add_argument("text", help="the question")
+    c.add_argument("--model", default=None, help="checkpoint directory or hub id (default keye-tiny)")
+    c.add_argument("--image", action="append", default=[], help="image path / URL (repeatable)")
+    c.add_argument("--video", action="append", default=[], help="video path / URL (repeatable)")
+    c.add_argument("--fps", type=float, default=None, help="video sampling rate (default 2)")
+    c.add_argument("--mode", choices=["think", "no_think", "auto"], default=None)
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--device", default="cpu")
+    c.add_argument(
+        "--json", action="store_true", help="print the parsed response (analysis/think/answer/boxed)"
+    )
+    c.set_defaults(func=_chat)
+
+
+def _load_messages(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        return json.loads(text)
+    except FileNotFoundError as err:
+        raise KeyeInputError("message file not found", path=path) from err
+    except (OSError, ValueError) as err:
+        raise KeyeInputError(f"cannot read messages as JSON ({err})", path=path) from err
+
+
+def _summary(proc: Any, batch: Any, for_training: bool) -> dict[str, Any]:
+    rows = []
+    for r in range(batch["input_ids"].shape[0]):
+        row: dict[str, Any] = {
+            "tokens": int(batch["attention_mask"][r].sum()),
+            "image_tokens": int((batch["input_ids"][r] == proc.image_token_id).sum()),
+            "video_tokens": int((batch["input_ids"][r] == proc.video_token_id).sum()),
+        }
+        if for_training:
+            row["trained_tokens"] = int((batch["labels"][r] != -100).sum())
+        rows.append(row)
+    return {
+        "variant": proc.variant,
+        "rows": rows,
+        "images": [vars(m) for m in batch.image_meta],
+        "videos": [m.to_dict() for m in batch.video_meta],
+    }
+
+
+def _process(args: argparse.Namespace) -> int:
+    from keye.processing.processor import KeyeProcessor
+
+    where = args.processor or _default_dir()
+    if where is None:
+        raise KeyeInputError("no --processor given and the embedded keye-tiny checkpoint is not installed")
+    proc = KeyeProcessor.from_pretrained(where, variant=args.variant, video_backend=args.backend)
+    batch = proc(_load_messages(args.messages), mode=args.mode, for_training=args.training)
+    print(json.dumps(_summary(proc, batch, args.training), indent=1, default=str))
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    where = args.model or _default_dir()
+    if where is None:
+        raise KeyeInputError("no --model given and the embedded keye-tiny checkpoint is not installed")
+    proc = KeyeProcessor.from_pretrained(where)
+    model = KeyeVL.from_pretrained(where, device=args.device).eval()
+    content: list[dict[str, Any]] = [{"type": "image", "image": p} for p in args.image]
+    content += [{"type": "video", "video": p, **({"fps": args.fps} if args.fps else {})} for p in args.video]
+    content.append({"type": "text", "text": args.text})
+    batch = proc([{"role": "user", "content": content}], mode=args.mode).to(args.device)
+    out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False)
+    text = proc.decode(out[0, batch["input_ids"].shape[1] :])
+    if args.json:
+        print(json.dumps(vars(proc.parse_response(text)), indent=1, ensure_ascii=False))
+    else:
+        print(text)
+    return 0
