@@ -16,14 +16,13 @@ auto mode adds nothing.
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any
 
 from keye.errors import KeyeInputError
+from keye.rewards.text import last_answer_block
 
 MODES = ("think", "no_think", "auto")
 _MODE_SUFFIX = {"think": "/think", "no_think": "/no_think", "auto": ""}
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = "\\boxed{"
 
 
@@ -61,10 +60,12 @@ def post_process(text: str) -> str:
         text = text[text.rfind("</think>") + len("</think>") :].lstrip("\n").strip()
     if "<answer>" not in text:
         return extract_boxed(text)
-    matches = _ANSWER_RE.findall(text)
-    if not matches:
+    # Last non-greedy <answer>...</answer> pair, found in linear time (a regex findall is quadratic on
+    # many unclosed tags).
+    last = last_answer_block(text)
+    if last is None:
         return text
-    return extract_boxed(matches[-1])
+    return extract_boxed(last)
 
 
 def mode_suffix(mode: str | None) -> str:
