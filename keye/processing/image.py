@@ -515,7 +515,9 @@ def image_grid_for_size(
     cfg = processor_config or ImageProcessorConfig(variant=variant, resample=2 if variant == V1_5 else 3)
     lo = FETCH_MIN_PIXELS[variant] if min_pixels is None else min_pixels
     hi = FETCH_MAX_PIXELS[variant] if max_pixels is None else max_pixels
-    h0, w0 = (height, width) if resized_height is None else (int(resized_height), int(resized_width or width))
+    if (resized_height is None) != (resized_width is None):
+        raise KeyeInputError("give both resized_height and resized_width, or neither")
+    h0, w0 = (height, width) if resized_height is None else (int(resized_height), int(resized_width))
     if resized_height is not None:
         h1, w1 = smart_resize(h0, w0, IMAGE_FACTOR, clamp_min_side=variant == V1_5)
     else:

@@ -458,6 +458,7 @@ class KeyeProcessor:
         for_training: bool = False,
         padding_side: str | None = None,
         add_vision_id: bool = False,
+        packing: bool = False,
     ) -> KeyeBatch:
         """Process one conversation or a list of conversations into a :class:`KeyeBatch`.
 
@@ -468,8 +469,12 @@ class KeyeProcessor:
         ``for_training`` (-100 except assistant-turn tokens incl. the closing ``<|im_end|>``).
         Images and videos are numbered across the batch, row 0 first. ``add_generation_prompt`` defaults
         to ``not for_training``; padding defaults to left for generation and right for training, with
-        ``<|endoftext|>``. Raises :class:`KeyeInputError` naming the item for bad input.
+        ``<|endoftext|>``. ``packing=True`` (training only) instead concatenates the conversations into
+        one row ``[1, sum L]`` and adds ``seq_lens`` int64 ``[B]`` (the model keeps samples apart).
+        Raises :class:`KeyeInputError` naming the item for bad input.
         """
+        if packing and not for_training:
+            raise KeyeInputError("packing=True is only for training batches (for_training=True)")
         if return_tensors not in ("pt", None):
             raise KeyeInputError(f"return_tensors={return_tensors!r} is not supported; use 'pt'")
         if add_generation_prompt is None:
@@ -528,7 +533,11 @@ class KeyeProcessor:
             t_ids, t_train = self._encode_text(rendered[pos:], pos, spans)
             rows_ids.append(ids + t_ids)
             rows_train.append(train + t_train)
-        out = self._pad(rows_ids, rows_train, side, for_training)
+        out = (
+            self._pack(rows_ids, rows_train)
+            if packing
+            else self._pad(rows_ids, rows_train, side, for_training)
+        )
         if img_pv:
             out["pixel_values"] = torch.cat(img_pv)
             out["image_grid_thw"] = torch.tensor(img_grid, dtype=torch.long)
@@ -539,6 +548,18 @@ class KeyeProcessor:
                 # temporal_patch_size (1) / sampled fps, float32 as the reference builds it (§6.3).
                 out["second_per_grid_ts"] = torch.tensor([1.0 / f for f in vid_fps], dtype=torch.float32)
         return KeyeBatch(out, vid_meta, img_meta)
+
+    @staticmethod
+    def _pack(rows: list[list[int]], train: list[list[bool]]) -> dict:
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)[None]
+        keep = torch.tensor([t for r in train for t in r], dtype=torch.bool)[None]
+        labels = ids.masked_fill(~keep, IGNORE_INDEX)
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": labels,
+            "seq_lens": torch.tensor([len(r) for r in rows], dtype=torch.long),
+        }
 
     def _pad(self, rows: list[list[int]], train: list[list[bool]], side: str, for_training: bool) -> dict:
         length = max(len(r) for r in rows)

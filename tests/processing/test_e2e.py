@@ -136,3 +136,25 @@ def test_v15_batch_video_and_image_rows(v15):
         torch.testing.assert_close(together[r], _last_logits(model, proc(conv))[0], atol=1e-4, rtol=0)
     frames = np.asarray(batch.video_meta[0].indices)
     assert (np.diff(frames) > 0).all()
+
+
+def test_packed_training_batch_matches_padded(preview):
+    model, proc, clip = preview
+    convs = [
+        _conv(_img("img1_100x60.png")) + [{"role": "assistant", "content": "A red bar."}],
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        ],
+        _conv({"type": "video", "video": str(clip.path), "fps": 1.0})
+        + [{"role": "assistant", "content": "Digits."}],
+    ]
+    padded = proc(convs, for_training=True)
+    packed = proc(convs, for_training=True, packing=True)
+    assert packed.input_ids.shape == (1, int(padded.attention_mask.sum()))
+    assert packed.seq_lens.tolist() == padded.attention_mask.sum(1).tolist()
+    assert torch.equal(packed.labels[0], padded.labels[padded.attention_mask.bool()])
+    with torch.no_grad():
+        a = model(**padded, loss_reduction="sum").loss
+        b = model(**packed, loss_reduction="sum").loss
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-5)
