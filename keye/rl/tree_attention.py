@@ -62,7 +62,7 @@ class TreeAttention:
     """Efficient tree attention for one :class:`~keye.rl.tree.TreeBatch` (index plans built once).
 
     Call as ``attn(q, k, v, layer_idx=..., scale=...)`` with q [1, Hq, N, d] and k, v [1, Hkv, N, d]
-    (Hq a multiple of Hkv); returns [1, Hq, N, d]. Softmax statistics and the merge are float32.
+    (Hq a multiple of Hkv); returns [1, Hq, N, d]. Softmax statistics and the merge are in float32 (or float64 for float64 inputs).
     """
 
     def __init__(self, tree):
@@ -105,8 +105,8 @@ class TreeAttention:
                 idx[g, m:] = starts[s]  # any real token; padded queries are dropped, padded keys masked
                 valid[g, :m] = True
             causal = torch.ones(length, length, dtype=torch.bool).tril()
-            mask = causal[None] & valid[:, None, :]  # [g, Lq, Lk]
-            self.own.append((idx.to(device), valid.to(device), mask.to(device)))
+            blocked = ~(causal[None] & valid[:, None, :])  # [g, Lq, Lk], True = may not attend
+            self.own.append((idx.to(device), valid.to(device), blocked[:, None, None].to(device)))
             rows.append(torch.tensor([rpos[int(i)] for i in idx[valid].tolist()], dtype=torch.long))
             slot_ids.append(torch.tensor([depth[s] for s in nodes for _ in range(ends[s] - starts[s])]))
         # Cross blocks: all strict descendants of node a attend to a's whole span.
@@ -128,19 +128,12 @@ class TreeAttention:
 
     @staticmethod
     def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
-        """Attention of q [g, Hkv, rep, Lq, d] to k, v [g, Hkv, Lk, d]; mask bool [g, Lq, Lk] or None.
+        """Attention of q [g, Hkv, rep, Lq, d] to k, v [g, Hkv, Lk, d].
 
-        Returns out [g, Hkv, rep, Lq, d] (v's dtype) and lse float32 [g, Hkv, rep, Lq].
+        ``mask`` is True where attention is *not* allowed, shaped [g, 1, 1, Lq, Lk] (broadcast over heads).
+        Returns out [g, Hkv, rep, Lq, d] (v's dtype) and lse [g, Hkv, rep, Lq] in at least float32.
         """
-        g, hkv, rep, lq, d = q.shape
-        s = torch.matmul(q.reshape(g, hkv, rep * lq, d), k.transpose(-1, -2)).float() * scale
-        s = s.view(g, hkv, rep, lq, -1)
-        if mask is not None:
-            s = s.masked_fill(~mask[:, None, None], float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[..., None]).to(v.dtype)
-        out = torch.matmul(p.view(g, hkv, rep * lq, -1), v).view(g, hkv, rep, lq, d)
-        return out, lse
+        return _PartialAttention.apply(q, k, v, scale, mask)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int, scale: float) -> torch.Tensor:
         del layer_idx
@@ -158,12 +151,12 @@ class TreeAttention:
             )
         if self.r_index.numel():
             outs, lses = [], []
-            for idx, valid, mask in self.own:
+            for idx, valid, blocked in self.own:
                 g, length = idx.shape
                 qb = q0[:, idx].view(hkv, rep, g, length, d).permute(2, 0, 1, 3, 4)
                 kb = k0[:, idx].permute(1, 0, 2, 3)
                 vb = v0[:, idx].permute(1, 0, 2, 3)
-                o, lse = self._partial(qb, kb, vb, scale, mask)
+                o, lse = self._partial(qb, kb, vb, scale, blocked)
                 # -> [tokens, Hq, d] / [tokens, Hq] for the valid query rows
                 outs.append(o.reshape(g, hq, length, d).permute(0, 2, 1, 3)[valid])
                 lses.append(lse.reshape(g, hq, length).permute(0, 2, 1)[valid])
@@ -173,10 +166,11 @@ class TreeAttention:
                 outs.append(o.reshape(hq, -1, d).transpose(0, 1))
                 lses.append(lse.reshape(hq, -1).transpose(0, 1))
             r = self.r_index.numel()
-            lse_all = torch.full((r, self.slots, hq), float("-inf"), dtype=torch.float32, device=q.device)
+            acc = torch.promote_types(q.dtype, torch.float32)
+            lse_all = torch.full((r, self.slots, hq), float("-inf"), dtype=acc, device=q.device)
             lse_all = lse_all.index_put((self.rows, self.slot_ids), torch.cat(lses))
-            out_all = q.new_zeros(r, self.slots, hq, d, dtype=torch.float32)
-            out_all = out_all.index_put((self.rows, self.slot_ids), torch.cat(outs).float())
+            out_all = q.new_zeros(r, self.slots, hq, d, dtype=acc)
+            out_all = out_all.index_put((self.rows, self.slot_ids), torch.cat(outs).to(acc))
             w = torch.softmax(lse_all, dim=1)
             merged = (w[..., None] * out_all).sum(1).to(q.dtype)  # [R, Hq, d]
             pieces.append(merged.transpose(0, 1))
@@ -184,3 +178,57 @@ class TreeAttention:
         if self.perm is not None:
             out = out.index_select(1, self.perm)
         return out[None]
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _PartialAttention(torch.autograd.Function):
+    """Softmax attention that also returns the log-sum-exp of each query row, differentiably.
+
+    Forward: s = scale·q kᵀ (at least float32, masked to -inf), lse = logsumexp(s), p = exp(s - lse), out = p v.
+    Backward (flash-attention style, p recomputed instead of stored, so memory is O(out)):
+    dv = pᵀ dout, dp = dout vᵀ, ds = p ⊙ (dp - rowsum(dout ⊙ out) + dlse), dq = scale·ds k,
+    dk = scale·dsᵀ q. Written as one Function so that the large score matrix goes through a few
+    in-place passes rather than a dozen autograd nodes.
+    """
+
+    @staticmethod
+    def _scores(qf, k, scale, mask, shape5):
+        s = _at_least_fp32(torch.matmul(qf, k.transpose(-1, -2))).mul_(scale)
+        if mask is not None:
+            s.view(shape5).masked_fill_(mask, float("-inf"))
+        return s
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask):
+        g, hkv, rep, lq, d = q.shape
+        qf = q.reshape(g, hkv, rep * lq, d)
+        shape5 = (g, hkv, rep, lq, k.shape[-2])
+        s = _PartialAttention._scores(qf, k, scale, mask, shape5)
+        lse = torch.logsumexp(s, dim=-1)
+        p = s.sub_(lse[..., None]).exp_()
+        out = torch.matmul(p.to(v.dtype), v)
+        ctx.save_for_backward(qf, k, v, out, lse, mask)
+        ctx.scale, ctx.shape5 = scale, shape5
+        return out.view(g, hkv, rep, lq, d), lse.view(g, hkv, rep, lq)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qf, k, v, out, lse, mask = ctx.saved_tensors
+        g, hkv, rep, lq, _ = ctx.shape5
+        d = qf.shape[-1]
+        p = _PartialAttention._scores(qf, k, ctx.scale, mask, ctx.shape5).sub_(lse[..., None]).exp_()
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = dout.reshape(out.shape)
+        dv = torch.matmul(p.to(v.dtype).transpose(-1, -2), dout)
+        dp = _at_least_fp32(torch.matmul(dout, v.transpose(-1, -2)))
+        row = (_at_least_fp32(dout) * _at_least_fp32(out)).sum(-1)
+        if dlse is not None:
+            row = row - dlse.reshape(row.shape)
+        ds = dp.sub_(row[..., None]).mul_(p).mul_(ctx.scale).to(qf.dtype)
+        dq = torch.matmul(ds, k).view(g, hkv, rep, lq, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qf)
+        return dq, dk, dv, None, None
