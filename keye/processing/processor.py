@@ -330,45 +330,55 @@ class KeyeProcessor:
     def _process_video(
         self, content: dict[str, Any], row: int, index: int
     ) -> tuple[torch.Tensor, list[list[int]], VideoMeta, list]:
-        """Returns (pixel rows, grid rows, meta, layout). ``layout`` is a list of (frame_type, tokens, ts)."""
+        """Returns (pixel rows, grid rows, meta, layout); ``layout`` lists (frame_type, tokens, timestamp)."""
         where = f"video {index} (row {row})"
         opts = VideoOptions.from_item(content, item=where)
         video = fetch_video(content.get("video"), opts, self.variant, backend=self.video_backend, item=where)
-        merge = self.image_processor.config.merge_size
+        common = dict(
+            row=row,
+            index=index,
+            source=video.source,
+            backend=video.backend,
+            indices=video.indices,
+            timestamps=video.timestamps,
+            sample_fps=video.sample_fps,
+            video_fps=video.video_fps,
+            total_frames=video.total_frames,
+        )
         if self.variant == PREVIEW:
+            # One block of T frames at one size; time enters only through second_per_grid_ts (§9.6).
             pv, grid = self.image_processor.preprocess_frames(video.frames, item=where)
-            per_frame = grid[1] * grid[2] // (merge * merge)
-            n = grid[0]
+            n, per_frame = grid[0], grid[1] * grid[2] // self._merge2
             meta = VideoMeta(
-                row,
-                index,
-                video.source,
-                video.backend,
-                video.indices,
-                video.timestamps,
-                video.sample_fps,
-                ["slow"] * n,
-                [[1, grid[1], grid[2]]] * n,
-                [per_frame] * n,
-                per_frame * n,
-                video.video_fps,
-                video.total_frames,
+                **common,
+                frame_types=["slow"] * n,
+                frame_grids=[[1, grid[1], grid[2]]] * n,
+                frame_tokens=[per_frame] * n,
+                tokens=per_frame * n,
             )
             return pv, [grid], meta, [("slow", per_frame * n, None)]
-        # 1.5: slow/fast classification on the sampled frames, budgeted sizes, per-frame rows.
+        return self._slow_fast_video(video, opts, where, common)
+
+    @property
+    def _merge2(self) -> int:
+        return self.image_processor.config.merge_size**2
+
+    def _slow_fast_video(
+        self, video: Any, opts: VideoOptions, where: str, common: dict[str, Any]
+    ) -> tuple[torch.Tensor, list[list[int]], VideoMeta, list]:
+        """1.5: classify the sampled frames, budget the two sizes, process each set, interleave back."""
         frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # [n, 3, H, W] uint8
+        n = len(frames)
         types = (
-            classify_frames(frames, opts.min_frame_similarity)
-            if opts.slow_fast
-            else np.zeros(len(frames), np.int32)
+            classify_frames(frames, opts.min_frame_similarity) if opts.slow_fast else np.zeros(n, np.int32)
         )
-        n_fast = int((types == FAST).sum())
-        h, w = frames.shape[2], frames.shape[3]
+        is_fast = torch.from_numpy(types == FAST)
+        n_fast = int(is_fast.sum())
         sizes = slowfast_sizes(
-            len(frames) - n_fast,
+            n - n_fast,
             n_fast,
-            h,
-            w,
+            frames.shape[2],
+            frames.shape[3],
             min_pixels=opts.min_pixels,
             max_pixels=opts.max_pixels,
             total_pixels=opts.total_pixels,
@@ -376,48 +386,32 @@ class KeyeProcessor:
         )
         if opts.resized_height is not None:
             sizes = sizes.with_slow_size(opts.resized_height, opts.resized_width)
-        pixel_rows, grids, layout, frame_grids, frame_tokens = [], [], [], [], []
-        slow_px = resize_frames(frames[torch.from_numpy(types != FAST)], sizes.slow_hw)
-        fast_px = resize_frames(frames[torch.from_numpy(types == FAST)], sizes.fast_hw) if n_fast else None
-        slow_pv, slow_grid = self.image_processor.preprocess_resized(slow_px)
-        per_slow = slow_grid[1] * slow_grid[2]
-        fast_pv, fast_grid = (
-            (None, None) if fast_px is None else self.image_processor.preprocess_resized(fast_px)
-        )
-        si = fi = 0
-        for j, t in enumerate(types):
-            if t == FAST:
-                per = fast_grid[1] * fast_grid[2]
-                pixel_rows.append(fast_pv[fi * per : (fi + 1) * per])
-                g = [1, fast_grid[1], fast_grid[2]]
-                fi += 1
-            else:
-                pixel_rows.append(slow_pv[si * per_slow : (si + 1) * per_slow])
-                g = [1, slow_grid[1], slow_grid[2]]
-                si += 1
+        sets = {}
+        for kind, mask, hw in (("slow", ~is_fast, sizes.slow_hw), ("fast", is_fast, sizes.fast_hw)):
+            if bool(mask.any()):
+                pv, grid = self.image_processor.preprocess_resized(resize_frames(frames[mask], hw))
+                sets[kind] = (pv, [1, grid[1], grid[2]], grid[1] * grid[2])
+        pixel_rows, grids, layout = [], [], []
+        seen = {"slow": 0, "fast": 0}
+        for j in range(n):
+            kind = "fast" if types[j] == FAST else "slow"
+            pv, g, per = sets[kind]
+            k = seen[kind]
+            seen[kind] += 1
+            pixel_rows.append(pv[k * per : (k + 1) * per])
             grids.append(g)
-            frame_grids.append(g)
-            tok = g[1] * g[2] // (merge * merge)
-            frame_tokens.append(tok)
             ts = video.timestamps[j] if video.timestamps is not None else None
-            layout.append(("fast" if t == FAST else "slow", tok, ts))
+            layout.append((kind, per // self._merge2, ts))
+        frame_tokens = [tok for _, tok, _ in layout]
         meta = VideoMeta(
-            row,
-            index,
-            video.source,
-            video.backend,
-            video.indices,
-            video.timestamps,
-            video.sample_fps,
-            ["fast" if t == FAST else "slow" for t in types],
-            frame_grids,
-            frame_tokens,
-            sum(frame_tokens),
-            video.video_fps,
-            video.total_frames,
+            **common,
+            frame_types=[kind for kind, _, _ in layout],
+            frame_grids=[list(g) for g in grids],
+            frame_tokens=frame_tokens,
+            tokens=sum(frame_tokens),
             extra={"slow_hw": list(sizes.slow_hw), "fast_hw": list(sizes.fast_hw)},
         )
-        return torch.cat(pixel_rows), _merge_thw(grids), meta, layout
+        return torch.cat(pixel_rows), _merge_thw([list(g) for g in grids]), meta, layout
 
     # ------------------------------------------------------------------------------------------------------
     # Tokens
