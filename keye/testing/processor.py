@@ -142,6 +142,7 @@ def make_test_video(
     gop: int = 12,
     codec: str = "libx264",
     faststart: bool = False,
+    bframes: int = 0,
 ) -> TestVideo:
     """Write an MP4 of ``n_frames`` frames (``size`` = (H, W), even) with the frame index in the pixels.
 
@@ -178,8 +179,8 @@ def make_test_video(
         stream.codec_context.time_base = time_base
         stream.codec_context.gop_size = gop
         if codec == "libx264":
-            # Near-lossless and no B-frames keep the bit cells exact and the test deterministic.
-            stream.options = {"crf": "10", "bf": "0", "g": str(gop), "keyint_min": str(gop)}
+            # Near-lossless keeps the bit cells exact; B-frames only when asked for.
+            stream.options = {"crf": "10", "bf": str(bframes), "g": str(gop), "keyint_min": str(gop)}
         strip_rows = max(8, h // 4) if pattern == "index" else max(8, h // 16)
         cuts = sorted(set(scene_cuts))
         for i in range(n_frames):

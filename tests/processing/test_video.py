@@ -34,6 +34,7 @@ def clips(tmp_path_factory):
     return {
         "cfr": make_test_video(d / "cfr.mp4", 40, fps=10, size=(64, 128)),
         "vfr": make_test_video(d / "vfr.mp4", 40, fps=10, size=(64, 128), vfr=True),
+        "bframes": make_test_video(d / "bf.mp4", 40, fps=10, size=(64, 128), bframes=3),
     }
 
 
@@ -64,7 +65,7 @@ def test_cfr_sampling_rules_by_hand(clips):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["cfr", "vfr"])
+@pytest.mark.parametrize("kind", ["cfr", "vfr", "bframes"])
 @pytest.mark.parametrize("variant", ["preview", "1.5"])
 def test_sampled_frames_and_timestamps(clips, backend, kind, variant):
     _need(backend)
