@@ -14,9 +14,8 @@ from keye.testing.processor import make_test_video, make_tiny_processor_dir
 
 pytestmark = pytest.mark.slow
 
-GOLDEN = Path("/work/shared/golden/keye_preview_tiny")
-if not GOLDEN.exists():
-    GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "keye_preview_tiny"
+# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,8 @@ from keye.processing.image import (
 )
 from keye.processing.resample import resize_uint8
 
-GOLDEN = Path("/work/shared/golden/keye_preview_tiny")
-if not GOLDEN.exists():  # the fixtures also live inside the repo checkout for CI
-    GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "keye_preview_tiny"
+# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,8 @@ from keye.processing.chat import (
 from keye.processing.processor import KeyeBatch, KeyeProcessor
 from keye.testing.processor import make_tiny_processor_dir
 
-GOLDEN = Path("/work/shared/golden/keye_preview_tiny")
-if not GOLDEN.exists():
-    GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "keye_preview_tiny"
+# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
 IMG = GOLDEN / "images"
 
 
