@@ -63,6 +63,36 @@ def _chunk_stats(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bi
     return logp, lse - (probs * logits).sum(dim=-1)
 
 
+def _stray_placeholders(core, responses: torch.Tensor, resp_att: torch.Tensor) -> torch.Tensor | None:
+    """bool [B, N] of attended response tokens that are image/video placeholder ids, or None if there are none."""
+    ids = [getattr(core.config, k, None) for k in ("image_token_id", "video_token_id")]
+    ids = torch.tensor([i for i in ids if i is not None], dtype=responses.dtype, device=responses.device)
+    if not ids.numel():
+        return None
+    stray = torch.isin(responses, ids) & resp_att.bool()
+    return stray if bool(stray.any()) else None
+
+
+def _text_placeholder_inputs(core, ids, att, prompt_len, stray, vision) -> dict:
+    """Forward inputs for responses that contain sampled ``<|image_pad|>`` / ``<|video_pad|>`` ids.
+
+    During decoding such a token is an ordinary text token: its own embedding, the next text position.
+    The full-sequence forward would instead count it as a vision placeholder (feature scatter and 3-D
+    positions). So positions are computed with those ids masked to a text id, and the embeddings are the
+    prompt's (with vision features) plus the raw token embeddings of the response, exactly as decoded.
+    """
+    text_ids = ids.clone()
+    text_ids[:, prompt_len:][stray] = 0  # any non-placeholder id: only "is it vision" matters here
+    vis = {k: v for k, v in vision.items()}
+    pos, _ = core.get_rope_index(text_ids, vis.get("image_grid_thw"), vis.get("video_grid_thw"),
+                                 vis.get("second_per_grid_ts"), att)
+    prompt_emb = core.embed(text_ids[:, :prompt_len], vis.get("pixel_values"), vis.get("image_grid_thw"),
+                            vis.get("pixel_values_videos"), vis.get("video_grid_thw"))
+    resp_emb = core.model.embed_tokens(ids[:, prompt_len:])
+    return dict(input_ids=ids, attention_mask=att, position_ids=pos,
+                inputs_embeds=torch.cat([prompt_emb, resp_emb], dim=1))
+
+
 def token_logprobs(
     model: torch.nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -89,6 +119,9 @@ def token_logprobs(
         with_entropy: also return per-token entropy of the tempered distribution.
     Returns:
         :class:`LogprobOutput` (values at unattended response positions are 0).
+
+    A response that contains sampled ``<|image_pad|>`` / ``<|video_pad|>`` ids is scored as it was decoded
+    (those tokens as text); keep them out of the loss with ``exclude_ids``.
     """
     input_ids = batch["input_ids"]
     prompt_mask = batch.get("attention_mask")
@@ -116,8 +149,12 @@ def token_logprobs(
         z = torch.zeros(b, 0, device=device)
         return LogprobOutput(z, z.clone() if with_entropy else None, None)
     labels = responses.to(device).long()
+    fwd: dict = dict(input_ids=ids, attention_mask=att, **vision)
+    stray = _stray_placeholders(core, responses.to(device), resp_att.to(device))
+    if stray is not None:
+        fwd = _text_placeholder_inputs(core, ids, att, prompt_len, stray, vision)
     if chunk_size is None:
-        out = model(input_ids=ids, attention_mask=att, logits_to_keep=n + 1, **vision)
+        out = model(logits_to_keep=n + 1, **fwd)
         logits = out.logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
@@ -129,7 +166,7 @@ def token_logprobs(
     else:
         if chunk_size < 1:
             raise KeyeInputError(f"chunk_size must be >= 1 or None, got {chunk_size}")
-        out = model(input_ids=ids, attention_mask=att, logits_to_keep=1, output_hidden_states=True, **vision)
+        out = model(logits_to_keep=1, output_hidden_states=True, **fwd)
         hidden = out.hidden_states[:, prompt_len - 1 : prompt_len + n - 1].reshape(b * n, -1)
         flat_labels = labels.reshape(-1)
         weight, bias = core.lm_head.weight, core.lm_head.bias

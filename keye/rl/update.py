@@ -139,6 +139,8 @@ def accumulate_policy_gradients(
     Args:
         samples: with ``advantage`` and ``old_logp`` set (and ``ref_logp`` when ``kl_coef > 0``).
         loss_kwargs: keyword arguments of :func:`keye.rl.losses.policy_loss` (eps, dual_clip, loss_agg, ...).
+        exclude_ids: response token ids kept out of the loss, in addition to the model's image/video
+            placeholder ids (always excluded); the global counts are of the tokens that enter the loss.
     Returns:
         stats: token-weighted means of the :func:`policy_loss` stats over this rank's micro-batches, plus
         ``loss`` (the mini-batch loss), ``tokens`` and ``sequences`` (global counts).
@@ -151,7 +153,14 @@ def accumulate_policy_gradients(
             raise KeyeInputError("sample lacks advantage / old_logp (/ ref_logp); run assign_advantages and "
                                  "fill_logprobs first", item=i)
     device = next(model.parameters()).device
-    (n_tok, n_seq), world = _dist_sum([float(sum(s.num_tokens for s in live)), float(len(live))], device)
+    core = getattr(model, "module", model)
+    # sampled vision placeholder ids are scored as text but never trained on (training.md §8.6)
+    placeholders = [getattr(core.config, k) for k in ("image_token_id", "video_token_id") if hasattr(core, "config")]
+    exclude_ids = sorted(set(exclude_ids) | {int(i) for i in placeholders if i is not None})
+    excl = torch.tensor(exclude_ids, dtype=torch.long)
+    loss_tokens = [int((~torch.isin(s.response_ids[: s.num_tokens], excl)).sum()) for s in live]
+    local = [float(sum(loss_tokens)), float(sum(1 for k in loss_tokens if k > 0))]
+    (n_tok, n_seq), world = _dist_sum(local, device)
     totals: dict[str, float] = {}
     weight_sum = 0.0
     loss_sum = 0.0

@@ -141,3 +141,29 @@ def test_vllm_rollout_reports_missing_vllm(monkeypatch, rl_processor):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(KeyeConfigError, match="vllm"):
         VLLMRollout("some/model", rl_processor)
+
+
+def test_sampled_placeholder_ids_are_scored_as_decoded(tiny_model, rl_processor):
+    # a policy can sample <|image_pad|> (492) / <|video_pad|> (493); while decoding they are plain text tokens
+    conv = [{"role": "user", "content": [{"type": "image", "image": image(5)}, {"type": "text", "text": "hi"}]}]
+    batch = dict(rl_processor([conv, [{"role": "user", "content": "plain"}]], return_tensors="pt"))
+    responses = torch.tensor([[5, 492, 7, 493, 482], [8, 9, 492, 482, 480]])
+    resp_att = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        out = token_logprobs(tiny_model, batch, responses, resp_att)
+        # reference: prefill the prompt with the KV cache, then feed the response token by token
+        from keye.model.text import KVCache
+
+        cache = KVCache(len(tiny_model.model.layers))
+        att = batch["attention_mask"]
+        step = tiny_model(**batch, past_key_values=cache, use_cache=True)
+        deltas = step.rope_deltas
+        expect = []
+        for j in range(responses.shape[1]):
+            lp = torch.log_softmax(step.logits[:, -1].float(), -1).gather(1, responses[:, j : j + 1]).squeeze(1)
+            expect.append(lp)
+            att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+            step = tiny_model(responses[:, j : j + 1], attention_mask=att, past_key_values=cache, use_cache=True,
+                              rope_deltas=deltas)
+    expect = torch.stack(expect, 1) * resp_att
+    torch.testing.assert_close(out.logp, expect, atol=2e-4, rtol=1e-4)
