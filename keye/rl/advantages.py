@@ -57,8 +57,8 @@ def group_stats(
         rewards: float [B]. group_ids: int [B] (any non-negative labels). valid: bool [B] or None (all).
         std: ``"unbiased"`` (n - 1), ``"population"`` (n) or ``"none"`` (std returned as 1).
     Returns:
-        (mean [B], std [B], count [B]) gathered back to each sample, float64-accurate in the rewards'
-        dtype; groups with one valid member get mean 0 and std 1 (the reference convention).
+        (mean [B], std [B], count [B]) of each sample's group, computed in float64 and returned in the
+        rewards' dtype; groups with one valid member get mean 0 and std 1 (the reference convention).
     """
     if std not in STD_MODES:
         raise KeyeConfigError(f"std must be one of {STD_MODES}, got {std!r}")

@@ -337,6 +337,7 @@ def replay_samples(
         encode: text -> token ids *without* special tokens (for text-only entries).
         eos_id: appended to re-tokenised text. max_response_len: truncation length (tokens).
         rng: RNG for the draw (default: the pool's). match_mode: draw only entries of ``prompt.mode``.
+        The row's ``text`` is the stored text (what the reward scores), even when its ids were truncated.
     Returns:
         ``m`` samples with ``source="replay"``; slots beyond the pool's supply are ``valid=False`` rows with
         no tokens (they enter no advantage statistic and no loss).

@@ -240,7 +240,8 @@ class LocalRollout:
         processor: a :class:`keye.KeyeProcessor` (its ``__call__`` builds the prompt batch).
         max_new_tokens, temperature, top_p, top_k: sampling settings (RLEP: 1.0 / 1.0 / off).
         max_batch_size: sequences decoded together (prompts are repeated ``n`` times, then chunked).
-        seed: seeds the sampling generator; the same seed, model and prompts give the same samples.
+        seed: seeds the sampling generator (on the model's device at construction: build the engine after
+            moving the model); the same seed, model and prompts give the same samples.
         eos_token_id: one or several stop ids (default: the model config's).
     """
 
@@ -272,6 +273,14 @@ class LocalRollout:
         self.eos_ids = [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
         self.pad_id = int(processor.pad_token_id)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling generator's state (for exact resume from a checkpoint)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; later samples continue the saved random stream."""
+        self.generator.set_state(state["generator"])
 
     def prepare(self, prompts: Sequence[RLPrompt]) -> list[PromptInputs]:
         """Process each prompt (its mode applied) once; the result is shared by its ``n`` samples."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.rl.advantages import (
@@ -120,3 +123,28 @@ def test_difficulty_reshape_uses_fresh_pass_rate_only():
     out, scale = difficulty_reshape(adv, passed, groups, "mixed_up", counted=fresh)
     torch.testing.assert_close(scale, torch.tensor([1.25] * 6 + [0.5] * 4))
     torch.testing.assert_close(out, adv * scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.floats(-3, 3, allow_nan=False), st.booleans()), min_size=1, max_size=24),
+       st.sampled_from(["unbiased", "population", "none"]))
+def test_matches_a_per_group_python_oracle(rows, std):
+    # independent oracle: statistics.stdev / pstdev over each group's valid members
+    groups = torch.tensor([g for g, _, _ in rows])
+    rewards = torch.tensor([r for _, r, _ in rows], dtype=torch.float64)
+    valid = torch.tensor([v for _, _, v in rows])
+    adv = group_advantages(rewards, groups, valid, std=std, eps=EPS)
+    for i, (g, r, v) in enumerate(rows):
+        members = [rr for gg, rr, vv in rows if gg == g and vv]
+        if not v:
+            expect = 0.0
+        elif len(members) == 1:
+            expect = r if std == "none" else r / (1 + EPS)
+        else:
+            mu = statistics.fmean(members)
+            if std == "none":
+                expect = r - mu
+            else:
+                sd = statistics.stdev(members) if std == "unbiased" else statistics.pstdev(members)
+                expect = (r - mu) / (sd + EPS)
+        assert float(adv[i]) == pytest.approx(expect, rel=1e-9, abs=1e-7)

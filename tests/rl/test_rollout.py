@@ -135,6 +135,14 @@ def test_local_rollout_is_deterministic_per_seed(tiny_model, rl_processor, rl_vi
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+    # exact resume: restoring the generator state replays the same random stream
+    eng = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=9)
+    eng.generate(prompts, 1)
+    state = eng.state_dict()
+    first = [s.response_ids.tolist() for s in eng.generate(prompts, 2)]
+    fresh = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=0)
+    fresh.load_state_dict(state)
+    assert [s.response_ids.tolist() for s in fresh.generate(prompts, 2)] == first
 
 
 def test_vllm_rollout_reports_missing_vllm(monkeypatch, rl_processor):
