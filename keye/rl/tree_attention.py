@@ -62,10 +62,19 @@ class TreeAttention:
     """Efficient tree attention for one :class:`~keye.rl.tree.TreeBatch` (index plans built once).
 
     Call as ``attn(q, k, v, layer_idx=..., scale=...)`` with q [1, Hq, N, d] and k, v [1, Hkv, N, d]
-    (Hq a multiple of Hkv); returns [1, Hq, N, d]. Softmax statistics and the merge are in float32 (or float64 for float64 inputs).
+    (Hq a multiple of Hkv); returns [1, Hq, N, d]. Softmax statistics and the merge are in float32
+    (float64 for float64 inputs).
+
+    Args:
+        tree: the :class:`~keye.rl.tree.TreeBatch` (on the device of q/k/v).
+        max_block_elems: bound on the score elements (heads x queries x keys) of one partial
+            attention; larger blocks are split over queries (cross blocks) or nodes (own blocks), so
+            transient memory is about 3 x 4 x max_block_elems bytes in forward and backward. A single
+            own node longer than sqrt(max_block_elems / Hq) still runs as one block.
     """
 
-    def __init__(self, tree):
+    def __init__(self, tree, *, max_block_elems: int = 1 << 27):
+        self.max_block_elems = int(max_block_elems)
         device = tree.input_ids.device
         starts = tree.node_start.tolist()
         ends = tree.node_end.tolist()
@@ -151,20 +160,28 @@ class TreeAttention:
             )
         if self.r_index.numel():
             outs, lses = [], []
-            for idx, valid, blocked in self.own:
-                g, length = idx.shape
-                qb = q0[:, idx].view(hkv, rep, g, length, d).permute(2, 0, 1, 3, 4)
-                kb = k0[:, idx].permute(1, 0, 2, 3)
-                vb = v0[:, idx].permute(1, 0, 2, 3)
-                o, lse = self._partial(qb, kb, vb, scale, blocked)
-                # -> [tokens, Hq, d] / [tokens, Hq] for the valid query rows
-                outs.append(o.reshape(g, hq, length, d).permute(0, 2, 1, 3)[valid])
-                lses.append(lse.reshape(g, hq, length).permute(0, 2, 1)[valid])
-            for a, b, d_idx in self.cross:
-                qd = q0[:, d_idx].view(1, hkv, rep, -1, d)
-                o, lse = self._partial(qd, k0[None, :, a:b], v0[None, :, a:b], scale, None)
-                outs.append(o.reshape(hq, -1, d).transpose(0, 1))
-                lses.append(lse.reshape(hq, -1).transpose(0, 1))
+            # Pieces are produced in the order of self.rows / self.slot_ids (chunks keep that order).
+            for idx_all, valid_all, blocked_all in self.own:
+                length = idx_all.shape[1]
+                step = max(1, self.max_block_elems // (hq * length * length))
+                for c in range(0, idx_all.shape[0], step):
+                    idx, valid, blocked = idx_all[c : c + step], valid_all[c : c + step], blocked_all[c : c + step]
+                    g = idx.shape[0]
+                    qb = q0[:, idx].view(hkv, rep, g, length, d).permute(2, 0, 1, 3, 4)
+                    kb = k0[:, idx].permute(1, 0, 2, 3)
+                    vb = v0[:, idx].permute(1, 0, 2, 3)
+                    o, lse = self._partial(qb, kb, vb, scale, blocked)
+                    # -> [tokens, Hq, d] / [tokens, Hq] for the valid query rows
+                    outs.append(o.reshape(g, hq, length, d).permute(0, 2, 1, 3)[valid])
+                    lses.append(lse.reshape(g, hq, length).permute(0, 2, 1)[valid])
+            for a, b, d_all in self.cross:
+                step = max(1, self.max_block_elems // (hq * (b - a)))
+                for c in range(0, d_all.numel(), step):
+                    d_idx = d_all[c : c + step]
+                    qd = q0[:, d_idx].view(1, hkv, rep, -1, d)
+                    o, lse = self._partial(qd, k0[None, :, a:b], v0[None, :, a:b], scale, None)
+                    outs.append(o.reshape(hq, -1, d).transpose(0, 1))
+                    lses.append(lse.reshape(hq, -1).transpose(0, 1))
             r = self.r_index.numel()
             acc = torch.promote_types(q.dtype, torch.float32)
             lse_all = torch.full((r, self.slots, hq), float("-inf"), dtype=acc, device=q.device)
