@@ -306,9 +306,11 @@ def sample_frames(
     total = end - start + 1
     cfr = is_constant_rate(ts)
     seconds = total / video_fps if cfr else float(ts[end] - ts[start]) + 1.0 / video_fps
+    # Constant rate: the container's rate, so the counts are the reference's to the last bit. Variable
+    # rate: the rate the range really plays at.
+    range_fps = video_fps if cfr else total / seconds
     if variant == PREVIEW:
-        # The reference's count formula total / fps * sample_fps is seconds * sample_fps.
-        n = _preview_nframes(opts, total, total / seconds, item, path)
+        n = _preview_nframes(opts, total, range_fps, item, path)
     else:
         n = _v15_nframes(opts, total, video_fps, seconds, item, path)
     if cfr:
@@ -318,7 +320,7 @@ def sample_frames(
         right = np.clip(np.searchsorted(ts, targets), start, end)
         left = np.clip(right - 1, start, end)
         idx = np.where(np.abs(ts[left] - targets) <= np.abs(ts[right] - targets), left, right)
-    sample_fps = n / total * (total / seconds)
+    sample_fps = n / total * range_fps
     return VideoPlan([int(i) for i in idx], [float(ts[i]) for i in idx], float(sample_fps))
 
 

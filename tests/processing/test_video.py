@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keye.errors import KeyeInputError
 from keye.processing import video as V
@@ -184,3 +186,35 @@ def test_fetch_video_frame_list_and_array():
     v = fetch_video(arr, VideoOptions(), "1.5")
     assert v.indices == [0, 1, 2, 3, 4] and v.timestamps is None  # 1.5: timestamps only with a given fps
     assert v.frames.shape == (5, 56, 84, 3)
+
+
+def _spec_smart_nframes(total: int, video_fps: float, fps: float) -> int:
+    # architecture.md §9.3, written out directly
+    import math
+
+    min_f = math.ceil(4 / 2) * 2
+    max_f = math.floor(min(768, total) / 2) * 2
+    n = total / video_fps * fps
+    n = min(min(max(n, min_f), max_f), total)
+    return math.floor(n / 2) * 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(4, 5000),
+    video_fps=st.sampled_from([23.976, 24.0, 25.0, 29.97, 30.0, 50.0, 59.94, 60.0, 7.5]),
+    fps=st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+)
+def test_preview_count_and_indices_follow_the_spec(total, video_fps, fps):
+    ts = np.arange(total) / video_fps
+    plan = sample_frames(ts, video_fps, VideoOptions(fps=fps), "preview")
+    n = _spec_smart_nframes(total, video_fps, fps)
+    assert plan.indices == np.linspace(0, total - 1, n).round().astype(int).tolist()
+    assert plan.sample_fps == n / total * video_fps
+    n15 = min(int(total / video_fps * min(fps, video_fps)), 1365)  # §10.2
+    if n15 == 0:
+        with pytest.raises(KeyeInputError, match="shorter than one sample"):
+            sample_frames(ts, video_fps, VideoOptions(fps=fps), "1.5")
+    else:
+        plan15 = sample_frames(ts, video_fps, VideoOptions(fps=fps), "1.5")
+        assert plan15.indices == np.linspace(0, total - 1, n15).round().astype(int).tolist()
