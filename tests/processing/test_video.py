@@ -218,3 +218,17 @@ def test_preview_count_and_indices_follow_the_spec(total, video_fps, fps):
     else:
         plan15 = sample_frames(ts, video_fps, VideoOptions(fps=fps), "1.5")
         assert plan15.indices == np.linspace(0, total - 1, n15).round().astype(int).tolist()
+
+
+def test_preview_frame_resize_equals_torchvision():
+    # keye-vl-utils 1.0.0 resizes video frames with torchvision BICUBIC + antialias on uint8 tensors
+    import torch
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+
+    x = np.random.default_rng(0).integers(0, 256, (3, 64, 128, 3)).astype(np.uint8)
+    for size in [(224, 448), (28, 56), (100, 60)]:
+        ref = TF.resize(
+            torch.from_numpy(x).permute(0, 3, 1, 2), list(size), InterpolationMode.BICUBIC, antialias=True
+        )
+        np.testing.assert_array_equal(V.resize_bicubic_u8(x, size), ref.permute(0, 2, 3, 1).numpy())
