@@ -13,6 +13,7 @@ API (what the RL recipe calls)::
 
     tree = build_group_tree(model.config, prompt_ids, responses, vision)      # one GRPO group
     tree = build_tree(model.config, sequences, loss_masks, vision)            # any trie
+    tree = concat_trees([tree_a, tree_b])                                     # several groups, one row
     logp, mask = tree_logprobs(model, tree)                                   # [n_branches, T_max]
     logp, mask, ent = tree_logprobs(model, tree, entropy=True)
     logp, mask = branch_logprobs(model, prompt_ids, responses, vision)        # unshared reference
@@ -68,6 +69,7 @@ __all__ = [
     "TreeBatch",
     "build_tree",
     "build_group_tree",
+    "concat_trees",
     "tree_logprobs",
     "branch_logprobs",
     "sequence_logprobs",
@@ -433,6 +435,73 @@ def build_group_tree(
     seqs = [prompt + r for r in resp]
     masks = [[False] * len(prompt) + [True] * len(r) for r in resp]
     return build_tree(config, seqs, masks, vision)
+
+
+def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    kept = [x for x in parts if x is not None]
+    return torch.cat(kept) if kept else None
+
+
+def concat_trees(trees: Sequence[TreeBatch]) -> TreeBatch:
+    """Several trees (e.g. the groups of one micro-batch) as one row: a forest.
+
+    No token attends across trees (each keeps its own roots); branches are numbered tree by tree
+    (rows of :func:`tree_logprobs` are tree 0's branches, then tree 1's, ...), padded to the longest
+    row; vision inputs are concatenated in tree order, so the vision tower runs once for all of them.
+    Positions are kept (each tree's are already standalone).
+    """
+    if not trees:
+        raise KeyeInputError("concat_trees needs at least one tree")
+    t_max = max(t.loss_mask.shape[1] for t in trees)
+    offset = 0
+    node_offset = 0
+    parts: dict[str, list[Any]] = {k: [] for k in ("parent", "start", "end", "nparent", "tnode", "tgt", "pred", "mask")}
+    paths: list[torch.Tensor] = []
+    for t in trees:
+        pad = t_max - t.loss_mask.shape[1]
+        parts["parent"].append(torch.where(t.parent >= 0, t.parent + offset, t.parent))
+        parts["start"].append(t.node_start + offset)
+        parts["end"].append(t.node_end + offset)
+        parts["nparent"].append(torch.where(t.node_parent >= 0, t.node_parent + node_offset, t.node_parent))
+        parts["tnode"].append(t.token_node + node_offset)
+        parts["tgt"].append(F.pad(torch.where(t.loss_mask, t.target_index + offset, 0), (0, pad)))
+        parts["pred"].append(F.pad(torch.where(t.loss_mask, t.pred_index + offset, 0), (0, pad)))
+        parts["mask"].append(F.pad(t.loss_mask, (0, pad)))
+        paths.extend(p + offset for p in t.paths)
+        offset += t.num_tokens
+        node_offset += t.num_nodes
+    seconds = None
+    if any(t.vision.second_per_grid_ts is not None for t in trees):
+        # Preview default of 1.0 s per temporal step for trees whose videos carry no timing.
+        seconds = torch.cat([
+            torch.as_tensor(t.vision.second_per_grid_ts, dtype=torch.float32).reshape(-1)
+            if t.vision.second_per_grid_ts is not None
+            else torch.ones(0 if t.vision.video_grid_thw is None else t.vision.video_grid_thw.shape[0])
+            for t in trees
+        ])
+    vision = VisionInputs(
+        pixel_values=_cat_optional([t.vision.pixel_values for t in trees]),
+        image_grid_thw=_cat_optional([t.vision.image_grid_thw for t in trees]),
+        pixel_values_videos=_cat_optional([t.vision.pixel_values_videos for t in trees]),
+        video_grid_thw=_cat_optional([t.vision.video_grid_thw for t in trees]),
+        second_per_grid_ts=seconds,
+    )
+    return TreeBatch(
+        input_ids=torch.cat([t.input_ids for t in trees], dim=1),
+        position_ids=torch.cat([t.position_ids for t in trees], dim=2),
+        parent=torch.cat(parts["parent"]),
+        node_start=torch.cat(parts["start"]),
+        node_end=torch.cat(parts["end"]),
+        node_parent=torch.cat(parts["nparent"]),
+        node_depth=torch.cat([t.node_depth for t in trees]),
+        token_node=torch.cat(parts["tnode"]),
+        paths=paths,
+        target_index=torch.cat(parts["tgt"]),
+        pred_index=torch.cat(parts["pred"]),
+        loss_mask=torch.cat(parts["mask"]),
+        vision=vision,
+        seq_lens=[n for t in trees for n in t.seq_lens],
+    )
 
 
 # ------------------------------------------------------------------------------------ log-probs

@@ -15,6 +15,7 @@ from keye.rl.tree import (
     branch_logprobs,
     build_group_tree,
     build_tree,
+    concat_trees,
     sequence_logprobs,
     tree_logprobs,
 )
@@ -309,3 +310,30 @@ def test_partial_attention_gradcheck():
     s = s.masked_fill(blocked, float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, -1))
     torch.testing.assert_close(out, torch.einsum("gkrql,gkld->gkrqd", torch.softmax(s, -1), v))
+
+
+def test_concat_trees_is_a_forest_of_groups(models):
+    """Two groups (image and video prompts) in one row: rows equal each group alone, vision once."""
+    model = models["preview"]
+    (p1, v1), (p2, v2) = _prompt("image"), _prompt("video")
+    r1, r2 = RESPONSES[:3], RESPONSES[3:]
+    forest = concat_trees([build_group_tree(model.config, p1, r1, v1), build_group_tree(model.config, p2, r2, v2)])
+    assert int((forest.node_parent < 0).sum()) == 2
+    calls = []
+    hook = model.visual.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            model.embed(forest.input_ids, **{k: v for k, v in forest.vision.as_kwargs().items() if k != "second_per_grid_ts"})
+        per_forward = len(calls)  # tower passes of one forward with an image and a video (1 or 2)
+        calls.clear()
+        logp, mask = tree_logprobs(model, forest)
+    finally:
+        hook.remove()
+    assert len(calls) == per_forward <= 2  # the tower runs for the whole micro-batch at once, not per group
+    want1, m1 = branch_logprobs(model, p1, r1, v1)
+    want2, m2 = branch_logprobs(model, p2, r2, v2)
+    t = logp.shape[1]
+    want = torch.cat([torch.nn.functional.pad(w, (0, t - w.shape[1])) for w in (want1, want2)])
+    wmask = torch.cat([torch.nn.functional.pad(m, (0, t - m.shape[1])) for m in (m1, m2)])
+    assert torch.equal(mask, wmask)
+    torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
