@@ -337,3 +337,45 @@ def test_concat_trees_is_a_forest_of_groups(models):
     wmask = torch.cat([torch.nn.functional.pad(m, (0, t - m.shape[1])) for m in (m1, m2)])
     assert torch.equal(mask, wmask)
     torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
+
+
+def _random_trie(gen: torch.Generator, n_seq: int) -> tuple[list[list[int]], list[list[bool]]]:
+    """Sequences that each continue a random prefix of an earlier one (or start fresh)."""
+    seqs: list[list[int]] = []
+    for _ in range(n_seq):
+        base: list[int] = []
+        if seqs and float(torch.rand((), generator=gen)) < 0.85:
+            src = seqs[int(torch.randint(len(seqs), (), generator=gen))]
+            base = src[: int(torch.randint(1, len(src) + 1, (), generator=gen))]
+        extra = int(torch.randint(0 if base else 2, 7, (), generator=gen))
+        seqs.append(base + torch.randint(0, 479, (extra,), generator=gen).tolist())
+    masks = [[i > 0 and bool(torch.rand((), generator=gen) < 0.7) for i in range(len(s))] for s in seqs]
+    return seqs, masks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_tries_match_unshared(models, seed):
+    """Random branching, duplicates, prefixes of other sequences and several roots."""
+    model = models["preview"]
+    seqs, masks = _random_trie(torch.Generator().manual_seed(seed), 7)
+    tree = build_tree(model.config, seqs, masks)
+    want, wmask = sequence_logprobs(model, seqs, masks)
+    for kernel in ("efficient", "reference"):
+        logp, mask = tree_logprobs(model, tree, kernel=kernel)
+        assert torch.equal(mask, wmask)
+        torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
+
+
+def test_gradient_checkpointing_keeps_tree_gradients():
+    model = make_tiny_model("1.5", seed=4).train()
+    prompt, vis = _prompt("image")
+    tree = build_group_tree(model.config, prompt, RESPONSES, vis)
+
+    def loss():
+        logp, mask = tree_logprobs(model, tree)
+        return -(logp * ADVANTAGES[:, None] * mask).sum() / mask.sum()
+
+    _, plain = _run_loss(model, loss)
+    model.gradient_checkpointing_enable()
+    _, ckpt = _run_loss(model, loss)
+    _assert_grads_equal(ckpt, plain)
