@@ -46,9 +46,17 @@ The loss **normaliser must count tokens per branch, as in the unshared batch**: 
 ``mask.sum()`` (or per-row ``mask.sum(-1)``) of the returned mask, never the number of distinct tree
 tokens. Tokens with ``mask == False`` hold 0 and must be excluded from the loss.
 
-Contract for shared content: two sequences whose token ids agree up to a point share that prefix,
-including any vision placeholders in it; give different images different token prefixes (they always
-differ by their surrounding text in practice) or put them in separate trees.
+Where sharing happens: the prompt (and its vision features) always; identical response prefixes
+(e.g. a common opening) and duplicate responses too, which is exactly where branches with advantages
+of different signs meet on the same token - the case the row layout keeps exact.
+
+Usage for the policy update and for the old/reference log-prob passes is the same call (wrap the
+latter in ``torch.no_grad()``); rows line up with ``responses`` / ``sequences`` in the given order.
+
+Contract for shared content: :func:`build_tree` cannot see pixels, so sequences whose token ids agree
+up to a point share that prefix, vision placeholders included. Sequences of *different* prompts (other
+images or videos) belong in separate trees, joined for one forward with :func:`concat_trees`, which
+never shares across trees.
 """
 
 from __future__ import annotations
