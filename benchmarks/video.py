@@ -1,9 +1,10 @@
 """Seek-decoding of sampled frames vs decoding every frame, per-backend frames/s, processor time per video.
 
-Writes a 60 s, 30 fps, 128x224 H.264 clip (keyframe every 2 s) with PyAV, then:
+Writes a 60 s, 30 fps, 240x432 H.264 clip with a keyframe every second (common for streamed short
+videos) with PyAV, then:
 
-  full decode   PyAV decodes every frame in order and converts the 16 wanted ones to RGB (the baseline:
-                what a reader without seeking does)
+  full decode   PyAV decodes every frame in order (frame threading on) and converts the 16 wanted ones
+                to RGB (the baseline: what a reader without seeking does)
   seek decode   keye's probe (demux only) + sampled seek-decode of the same 16 frames
   backends      frames/s of the seek decode for every backend usable here
   processor     KeyeProcessor time per video message (preview and 1.5, 2 fps sampling)
@@ -48,12 +49,12 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--full", action="store_true", help="1080p-like 360x640 clip instead of 128x224")
+    ap.add_argument("--full", action="store_true", help="720p clip instead of 240x432")
     args = ap.parse_args()
-    size = (360, 640) if args.full else (128, 224)
+    size = (720, 1280) if args.full else (240, 432)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        clip = make_test_video(Path(tmp) / "clip.mp4", 1800, fps=30, size=size, gop=60)
+        clip = make_test_video(Path(tmp) / "clip.mp4", 1800, fps=30, size=size, gop=30)
         print(f"wrote 60 s clip {size[1]}x{size[0]} @ 30 fps in {time.perf_counter() - t0:.1f} s")
         path = str(clip.path)
         probe = probe_video(path)

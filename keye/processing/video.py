@@ -466,11 +466,18 @@ def _decode_pyav(probe: VideoProbe, indices: list[int]) -> tuple[np.ndarray, np.
 
     wanted = sorted(set(indices))
     key_pts = probe.pts[probe.keyframes]
+    key_idx = np.flatnonzero(probe.keyframes)
     frames: dict[int, np.ndarray] = {}
     times: dict[int, float] = {}
+    # Frame threading pays off on long decode runs but costs a pipeline refill (about one frame per
+    # thread) after every seek: use it only when each target needs many frames decoded.
+    before = (
+        key_idx[np.clip(np.searchsorted(key_idx, wanted, side="right") - 1, 0, None)] if len(key_idx) else [0]
+    )
+    run = float(np.mean(np.asarray(wanted) - np.asarray(before))) + 1 if len(key_idx) else float(len(wanted))
     with av.open(probe.path) as container:
         stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
+        stream.thread_type = "AUTO" if run > 4 * (os.cpu_count() or 1) else "NONE"
         decoder = None
         last_pts = None
         for i in wanted:
