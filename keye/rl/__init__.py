@@ -11,7 +11,8 @@ Public pieces:
   :class:`LocalRollout`, :class:`VLLMRollout`, :func:`split_batch`, :func:`collate_prompts`,
   :func:`collate_samples`;
 - replay.py: :class:`ReplayPool`, :class:`ReplayEntry`, :func:`collect`, :func:`replay_samples`,
-  :func:`add_replay`;
+  :func:`add_replay`, :func:`collect_to_file` (``keye rlep collect``);
+- data.py: :func:`load_rl_prompts`, :func:`prompt_from_sample` (RL prompts from a manifest);
 - sampling.py: :func:`dynamic_sample`, :func:`filter_prompts`, :class:`ModeMix`, :func:`group_minibatches`;
 - scoring.py: :class:`RewardScorer`, :class:`Scores`;
 - update.py: :func:`set_scores`, :func:`assign_advantages`, :func:`fill_logprobs`,
@@ -30,10 +31,19 @@ from keye.rl.advantages import (
     group_stats,
     rlep_advantages,
 )
+from keye.rl.data import load_rl_prompts, prompt_from_sample
 from keye.rl.logprobs import LogprobOutput, token_logprobs
 from keye.rl.losses import aggregate, kl_penalty, policy_loss
 from keye.rl.masks import lengths_to_mask, response_lengths, response_mask, split_response
-from keye.rl.replay import CollectStats, ReplayEntry, ReplayPool, add_replay, collect, replay_samples
+from keye.rl.replay import (
+    CollectStats,
+    ReplayEntry,
+    ReplayPool,
+    add_replay,
+    collect,
+    collect_to_file,
+    replay_samples,
+)
 from keye.rl.rollout import (
     LocalRollout,
     PromptInputs,
@@ -80,6 +90,7 @@ __all__ = [
     "collate_prompts",
     "collate_samples",
     "collect",
+    "collect_to_file",
     "difficulty_reshape",
     "dynamic_sample",
     "fill_logprobs",
@@ -91,7 +102,9 @@ __all__ = [
     "is_informative",
     "kl_penalty",
     "lengths_to_mask",
+    "load_rl_prompts",
     "policy_loss",
+    "prompt_from_sample",
     "replay_samples",
     "response_lengths",
     "response_mask",

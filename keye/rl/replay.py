@@ -392,3 +392,65 @@ def add_replay(
             out.extend(replay_samples(pool, first.prompt, g, first.inputs, m, encode=encode, eos_id=eos_id,
                                       max_response_len=max_response_len, rng=rng, match_mode=match_mode))
     return out
+
+
+def collect_to_file(
+    policy: str | Path,
+    data: str | Path,
+    out: str | Path,
+    *,
+    n: int = 64,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    max_new_tokens: int = 3072,
+    min_successes: int = 2,
+    reward: Any = None,
+    scorer: Callable[[Sequence[RolloutSample]], Any] | None = None,
+    engine: str = "local",
+    batch_prompts: int = 8,
+    max_batch_size: int = 64,
+    seed: int = 0,
+    device: str | None = None,
+    torch_dtype: str = "auto",
+    progress: Callable[[CollectStats], None] | None = None,
+) -> CollectStats:
+    """``keye rlep collect``: phase A from a checkpoint directory and an RL manifest to a pool JSONL.
+
+    Args:
+        policy: checkpoint directory (weights + processor files) of the seed policy.
+        data: RL manifest (see :func:`keye.rl.data.load_rl_prompts`). out: pool JSONL path.
+        n, temperature, top_p, max_new_tokens: sampling (RLEP: 64, 0.7, 0.95, 3072).
+        reward: a :class:`keye.rewards.RewardSpec`, a YAML path or None (default spec); ignored when a
+            ``scorer`` is given.
+        engine: ``"local"`` (:class:`LocalRollout`) or ``"vllm"`` (:class:`VLLMRollout`).
+    Returns:
+        the :class:`CollectStats`; the pool is written to ``out``.
+    """
+    from keye.processing.processor import KeyeProcessor
+    from keye.rl.data import load_rl_prompts
+    from keye.rl.rollout import LocalRollout, VLLMRollout
+    from keye.rl.scoring import RewardScorer
+
+    prompts = load_rl_prompts(data)
+    processor = KeyeProcessor.from_pretrained(policy)
+    if engine == "local":
+        from keye.model.keye_vl import KeyeVL
+
+        model = KeyeVL.from_pretrained(policy, torch_dtype=torch_dtype, device=device)
+        rollout: RolloutEngine = LocalRollout(model, processor, max_new_tokens=max_new_tokens, temperature=temperature,
+                                              top_p=top_p, max_batch_size=max_batch_size, seed=seed)
+    elif engine == "vllm":
+        rollout = VLLMRollout(str(policy), processor, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, seed=seed)
+    else:
+        raise KeyeConfigError(f"engine must be 'local' or 'vllm', got {engine!r}")
+    if scorer is None:
+        if isinstance(reward, (str, Path)):
+            from keye.rewards import RewardSpec
+
+            reward = RewardSpec.from_yaml(reward)
+        scorer = RewardScorer(reward)
+    pool, stats = collect(rollout, prompts, n, scorer, min_successes=min_successes, batch_prompts=batch_prompts,
+                          progress=progress)
+    pool.save_jsonl(out)
+    return stats

@@ -155,3 +155,29 @@ def test_online_growth_adds_only_fresh_successes():
     added = pool.add_samples([fresh_ok, fresh_bad, replayed, fresh_ok], [True, False, True, True],
                              [1.0, -1.0, 1.0, 1.0], step=3)
     assert added == 1 and pool.entries("q")[0].metadata == {"mode": None, "source": "online", "step": 3}
+
+
+def test_collect_to_file_from_a_checkpoint_and_manifest(tmp_path):
+    from keye.testing.model import save_tiny_checkpoint
+    from keye.testing.processor import make_tiny_processor_dir
+
+    policy = save_tiny_checkpoint(tmp_path / "policy")
+    make_tiny_processor_dir(policy)
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"id": q, "messages": [{"role": "user", "content": f"question {q}"}],
+                                        "answer": "1", "answer_kind": "numeric"}) + "\n" for q in ("a", "b")))
+
+    def every_other(samples):  # a stand-in verifier: alternate samples pass
+        ok = [i % 2 == 0 for i in range(len(samples))]
+        return Scores([1.0 if x else 0.0 for x in ok], ok)
+
+    from keye.rl.replay import collect_to_file
+
+    stats = collect_to_file(policy, data, tmp_path / "pool.jsonl", n=4, max_new_tokens=4, scorer=every_other,
+                            batch_prompts=1)
+    pool = ReplayPool.load_jsonl(tmp_path / "pool.jsonl")
+    assert stats.questions == 2 and stats.candidates == 8 and stats.successes == 4
+    # distinct sampled answers: a question stays when its two passing samples differ
+    assert set(pool.questions()) <= {"a", "b"} and len(pool.questions()) == stats.kept
+    for q in pool.questions():
+        assert all(e.token_ids and e.metadata["source"] == "collect" for e in pool.entries(q))
