@@ -14,7 +14,7 @@ Design decisions (documented in the spec as open):
 - replayed samples get their old log-probs recomputed by the current policy (the trainer does this for all
   samples), so their first importance ratio is 1 as in the reference;
 - ``sample`` may restrict to entries recorded in the same thinking mode (``mode=``), so a ``/no_think``
-  group is not given ``<think>`` answers.
+  group is not given ``<think>`` answers; entries without a recorded mode serve every mode.
 """
 
 from __future__ import annotations
@@ -146,12 +146,13 @@ class ReplayPool:
     def sample(self, question_id: str, m: int, rng: random.Random | None = None,
                mode: str | None = None) -> list[ReplayEntry]:
         """Up to ``m`` entries of a question, uniformly without replacement (all of them, in stored order,
-        when it holds ``<= m``). ``mode`` keeps only entries whose ``metadata["mode"]`` equals it."""
+        when it holds ``<= m``). ``mode`` keeps only entries recorded in that mode or with no recorded mode
+        (a pool collected without mode switches serves every mode)."""
         if m < 0:
             raise KeyeInputError(f"m must be >= 0, got {m}")
         items = self._entries.get(str(question_id), [])
         if mode is not None:
-            items = [e for e in items if e.metadata.get("mode") == mode]
+            items = [e for e in items if e.metadata.get("mode") in (None, mode)]
         if len(items) <= m:
             return list(items)
         rng = rng if rng is not None else self.rng

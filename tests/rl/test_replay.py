@@ -48,6 +48,8 @@ def test_sample_without_replacement_and_short_pools():
     assert [e.response for e in pool.sample("q1", 3)] == ["answer 0"]  # fewer than M: all of them
     assert pool.sample("unknown", 2) == []
     assert pool.sample("q0", 2, mode="no_think") == []  # mode filter
+    pool.add(ReplayEntry("q0", "modeless", [1, EOS]))
+    assert [e.response for e in pool.sample("q0", 2, mode="no_think")] == ["modeless"]  # serves every mode
 
 
 def test_replay_rows_mask_missing_slots():
