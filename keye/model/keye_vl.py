@@ -121,6 +121,26 @@ class KeyeVL(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # -------------------------------------------------------------------------------- vision
+    def _vision_items(self, pixel_values, grid_thw, is_video: bool, kind: str) -> list[tuple[int, int, int]]:
+        """Validated per-item grids of one modality (1.5 videos split into per-frame items)."""
+        if grid_thw is None:
+            raise KeyeInputError(f"{kind} pixel values were given without their grid_thw")
+        if is_video and self.config.variant == "1.5":
+            grids = split_video_grid(grid_thw)
+        else:
+            grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+        m = self.config.vision.spatial_merge_size
+        for t, h, w in grids:
+            if h % m or w % m:
+                raise KeyeInputError(f"{kind} grid {[t, h, w]} is not divisible by the merge size {m}")
+        n = sum(t * h * w for t, h, w in grids)
+        if pixel_values.shape[0] != n:
+            raise KeyeInputError(
+                f"{kind} pixel rows ({pixel_values.shape[0]}) do not match the grids ({n} patches from "
+                f"{len(grids)} items)"
+            )
+        return grids
+
     def encode_vision(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, is_video: bool = False
     ) -> torch.Tensor:
@@ -134,24 +154,8 @@ class KeyeVL(nn.Module):
         Returns:
             [sum(t*h*w)/4, hidden], merged tokens in placeholder order.
         """
-        if grid_thw is None:
-            raise KeyeInputError("pixel values were given without their grid_thw")
-        if is_video and self.config.variant == "1.5":
-            grids = split_video_grid(grid_thw)
-        else:
-            grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
-        m = self.config.vision.spatial_merge_size
-        for t, h, w in grids:
-            if h % m or w % m:
-                raise KeyeInputError(f"grid {[t, h, w]} is not divisible by the merge size {m}")
-        n = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape[0] != n:
-            raise KeyeInputError(
-                f"{'video' if is_video else 'image'} pixel rows ({pixel_values.shape[0]}) do not match the grids "
-                f"({n} patches from {len(grids)} items)"
-            )
-        feats = self.visual(pixel_values, grids)
-        return self.mlp_AR(feats, grids)
+        grids = self._vision_items(pixel_values, grid_thw, is_video, "video" if is_video else "image")
+        return self.mlp_AR(self.visual(pixel_values, grids), grids)
 
     def _scatter(self, embeds, input_ids, token_id, feats, kind):
         mask = input_ids == token_id
@@ -171,18 +175,49 @@ class KeyeVL(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings with image/video features written into their placeholder slots."""
+        """Token embeddings with image/video features written into their placeholder slots.
+
+        Images and videos go through the tower in **one** packed call (attention stays block-diagonal
+        per item, so this equals separate calls). In training with ``always_run_vision`` set (done by
+        the recipes for DDP/FSDP/ZeRO), a batch without pixels still runs the tower on one dummy item
+        whose output is added with weight 0: every rank then runs the same modules in the same order,
+        which sharded and data-parallel training require.
+        """
         embeds = self.model.embed_tokens(input_ids)
+        for pix, tok, kind in ((pixel_values, self.config.image_token_id, "image"),
+                               (pixel_values_videos, self.config.video_token_id, "video")):
+            if pix is None and bool((input_ids == tok).any()):
+                name = "pixel_values" if kind == "image" else "pixel_values_videos"
+                raise KeyeInputError(f"input_ids contain <|{kind}_pad|> placeholders but no {name} were given")
+        pieces, grids, counts = [], [], []
         if pixel_values is not None:
-            feats = self.encode_vision(pixel_values, image_grid_thw)
-            embeds = self._scatter(embeds, input_ids, self.config.image_token_id, feats, "image")
-        elif bool((input_ids == self.config.image_token_id).any()):
-            raise KeyeInputError("input_ids contain <|image_pad|> placeholders but no pixel_values were given")
+            g = self._vision_items(pixel_values, image_grid_thw, False, "image")
+            pieces.append(pixel_values)
+            grids += g
+            counts.append(("image", len(g)))
         if pixel_values_videos is not None:
-            feats = self.encode_vision(pixel_values_videos, video_grid_thw, is_video=True)
-            embeds = self._scatter(embeds, input_ids, self.config.video_token_id, feats, "video")
-        elif bool((input_ids == self.config.video_token_id).any()):
-            raise KeyeInputError("input_ids contain <|video_pad|> placeholders but no pixel_values_videos were given")
+            g = self._vision_items(pixel_values_videos, video_grid_thw, True, "video")
+            pieces.append(pixel_values_videos)
+            grids += g
+            counts.append(("video", len(g)))
+        if not pieces:
+            if self.training and getattr(self, "always_run_vision", False):
+                m = self.config.vision.spatial_merge_size
+                p = self.config.vision.patch_size
+                dummy = torch.zeros(m * m, self.config.vision.num_channels, p, p, device=embeds.device)
+                feats = self.mlp_AR(self.visual(dummy, [(1, m, m)]), [(1, m, m)])
+                embeds = embeds + 0.0 * feats.sum().to(embeds.dtype)
+            return embeds
+        feats = self.mlp_AR(self.visual(torch.cat(pieces) if len(pieces) > 1 else pieces[0], grids), grids)
+        m2 = self.config.vision.spatial_merge_size ** 2
+        start = 0
+        for kind, n_items in counts:
+            items = grids[:n_items]
+            grids = grids[n_items:]
+            n_tok = sum(t * h * w for t, h, w in items) // m2
+            tok = self.config.image_token_id if kind == "image" else self.config.video_token_id
+            embeds = self._scatter(embeds, input_ids, tok, feats[start : start + n_tok], kind)
+            start += n_tok
         return embeds
 
     # ------------------------------------------------------------------------------ positions
