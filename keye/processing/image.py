@@ -442,14 +442,12 @@ class KeyeImageProcessor:
         if frames_u8.dtype == np.uint8:
             levels = np.repeat(np.arange(256, dtype=np.uint8)[:, None], frames_u8.shape[-1], axis=1)
             lut = self._pixel_maths(levels)  # [256, C], computed by the exact same maths
-            return np.stack([lut[:, ch][frames_u8[..., ch]] for ch in range(frames_u8.shape[-1])], axis=1)
+            t, h, w, c = frames_u8.shape
+            out = np.empty((t, c, h, w), np.float32)
+            for ch in range(c):
+                out[:, ch] = lut[:, ch][frames_u8[..., ch]]
+            return out
         return np.ascontiguousarray(self._pixel_maths(frames_u8).transpose(0, 3, 1, 2))
-
-    def _resize_pil(self, img: Image.Image, size_hw: tuple[int, int]) -> np.ndarray:
-        arr = np.asarray(img, dtype=np.uint8)
-        if arr.shape[:2] != size_hw:
-            arr = resize_uint8(arr, size_hw[0], size_hw[1], self.config.resample)
-        return arr
 
     def preprocess_frames(
         self, frames: list[Image.Image] | np.ndarray, size_hw: tuple[int, int] | None = None, item: Any = None
@@ -457,22 +455,29 @@ class KeyeImageProcessor:
         """Process one image (a 1-element list) or the frames of one video.
 
         ``frames`` is a list of PIL RGB images or a uint8 array ``[T, H, W, 3]``. All frames are resized
-        (Pillow-exact maths, the configured filter, skipped when the size already matches) to ``size_hw`` or to the
-        target size of the first frame. Returns ``(pixel_values float32 [T*h*w, 3, 14, 14], [T, h, w])``.
+        (Pillow-exact maths, the configured filter, skipped when the size already matches) to ``size_hw``
+        or to the target size of the first frame. Returns ``(pixel_values float32 [T*h*w, 3, 14, 14],
+        [T, h, w])``.
         """
         if isinstance(frames, np.ndarray):
             if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
                 raise KeyeInputError(
                     f"video array must be uint8 [T,H,W,3]; got {frames.dtype} {frames.shape}", item=item
                 )
-            pil = [Image.fromarray(f) for f in frames]
+            arrays = frames
         else:
-            pil = list(frames)
-        if not pil:
+            arrays = [np.asarray(f, dtype=np.uint8) for f in frames]
+        if len(arrays) == 0:
             raise KeyeInputError("no frames to process", item=item)
         if size_hw is None:
-            size_hw = self.target_size(pil[0].height, pil[0].width, item=item)
-        arr = np.stack([self._resize_pil(f, size_hw) for f in pil])
+            size_hw = self.target_size(arrays[0].shape[0], arrays[0].shape[1], item=item)
+        if all(a.shape[:2] == tuple(size_hw) for a in arrays):
+            arr = arrays if isinstance(arrays, np.ndarray) else np.stack(arrays)
+        else:
+            r = self.config.resample
+            arr = np.stack(
+                [a if a.shape[:2] == tuple(size_hw) else resize_uint8(a, *size_hw, r) for a in arrays]
+            )
         return self._finish(arr)
 
     def preprocess_resized(self, frames_u8: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, list[int]]:
