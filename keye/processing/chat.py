@@ -196,9 +196,15 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+_END_MARKERS = re.compile(r"(\s*(<\|im_end\|>|<\|endoftext\|>))+\s*$")
+
+
 def parse_response(text: str) -> ParsedResponse:
-    """Split a decoded response into analysis / think / answer / boxed and report the mode used."""
-    analysis, rest = _last_block(text, "analysis")
+    """Split a decoded response into analysis / think / answer / boxed and report the mode used.
+
+    Trailing ``<|im_end|>`` / ``<|endoftext|>`` (decoding without ``skip_special_tokens``) are ignored.
+    """
+    analysis, rest = _last_block(_END_MARKERS.sub("", text), "analysis")
     think, rest = _last_block(rest, "think")
     m = list(re.finditer(r"<answer>(.*?)</answer>", rest, re.DOTALL))
     if m:

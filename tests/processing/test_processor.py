@@ -168,6 +168,14 @@ def test_modes():
             None,
             "think",
         ),
+        (
+            "<think>t</think>\\boxed{a{b}c} done<|im_end|><|endoftext|>",
+            None,
+            "t",
+            "\\boxed{a{b}c} done",
+            "a{b}c",
+            "think",
+        ),
     ],
 )
 def test_parse_response(text, analysis, think, answer, boxed, mode):

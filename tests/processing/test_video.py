@@ -88,17 +88,19 @@ def test_sampled_frames_and_timestamps(clips, backend, kind, variant):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["cfr", "vfr"])
-def test_time_range(clips, backend, kind):
+@pytest.mark.parametrize("variant", ["preview", "1.5"])
+def test_time_range(clips, backend, kind, variant):
     _need(backend)
     clip = clips[kind]
     probe = probe_video(str(clip.path))
     opts = VideoOptions(fps=2.0, video_start=1.0, video_end=3.0)
-    plan = sample_frames(probe.timestamps, probe.fps, opts, "preview")
+    plan = sample_frames(probe.timestamps, probe.fps, opts, variant)
     frames, times, _ = decode_frames(probe, plan.indices, backend)
     assert _indices_in_pixels(frames) == plan.indices
     assert all(1.0 - 1e-6 <= t <= 3.0 + 1e-6 for t in times)
     if kind == "cfr":
-        # frames 10..30 (21 frames) -> 21/10*2 = 4.2 -> clamp to >= 4 -> 4; linspace(10, 30, 4) rounded
+        # frames 10..30 (21 frames): preview 21/10*2 = 4.2 -> floor to even -> 4; 1.5 int(2.1 s * 2) = 4;
+        # linspace(10, 30, 4) rounded
         assert plan.indices == [10, 17, 23, 30]
 
 
