@@ -55,16 +55,16 @@ class _Recorder:
         self.handle.remove()
 
 
-def test_training_forward_sees_the_rollout_pixels_and_positions(tiny_model, rl_processor, rl_video):
-    prompts = _prompts(rl_video.path)
+def _check_training_forward_matches_rollout(model, processor, prompts):
+    """Roll out, re-batch, run the training forward; returns (samples, batch, training log-probs)."""
     n = 2
-    engine = LocalRollout(tiny_model, rl_processor, max_new_tokens=6, temperature=0.9, seed=3,
+    engine = LocalRollout(model, processor, max_new_tokens=6, temperature=0.9, seed=3,
                           max_batch_size=64, eos_token_id=STOP_IDS)
-    rec = _Recorder(tiny_model)
+    rec = _Recorder(model)
     samples = engine.generate(prompts, n)
     rec.close()
-    assert [s.group for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [s.prompt.id for s in samples[::2]] == ["img", "txt", "vid", "img2"]
+    assert [s.group for s in samples] == [i for i in range(len(prompts)) for _ in range(n)]
+    assert [s.prompt.id for s in samples[::n]] == [p.id for p in prompts]
     lengths = [int(s.response_ids.numel()) for s in samples]
     assert len(set(lengths)) > 1, "test needs responses of different lengths"
     for s in samples:
@@ -75,16 +75,19 @@ def test_training_forward_sees_the_rollout_pixels_and_positions(tiny_model, rl_p
     prefill_kwargs, prefill_pos = rec.calls[0]
     decode_pos = [pos for _, pos in rec.calls[1:]]  # decode call j feeds response token j
 
-    batch = collate_samples(samples, rl_processor.pad_token_id)
-    train = _Recorder(tiny_model)
+    batch = collate_samples(samples, processor.pad_token_id)
+    train = _Recorder(model)
     with torch.no_grad():
-        out = token_logprobs(tiny_model, batch, batch["responses"], batch["response_attention"], temperature=0.9)
+        out = token_logprobs(model, batch, batch["responses"], batch["response_attention"], temperature=0.9)
     train.close()
     (train_kwargs, train_pos), = train.calls
 
     # the same pixel rows, grids and video timing reach the training forward
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
-        assert torch.equal(train_kwargs[key], prefill_kwargs[key]), key
+        a, b = train_kwargs.get(key), prefill_kwargs.get(key)
+        assert (a is None) == (b is None), key
+        if b is not None:
+            assert torch.equal(a, b), key
     # ... and the same 3-D positions: prompt (attended slots) and every response token the rollout fed back
     prompt_len = prefill_pos.shape[2]
     att = batch["attention_mask"].bool()
@@ -99,13 +102,34 @@ def test_training_forward_sees_the_rollout_pixels_and_positions(tiny_model, rl_p
     for b, s in enumerate(samples):
         torch.testing.assert_close(out.logp[b, : lengths[b]], s.rollout_logp, atol=2e-4, rtol=1e-4)
         assert torch.all(out.logp[b, lengths[b] :] == 0)
+    return samples, batch, out
 
+
+def test_training_forward_sees_the_rollout_pixels_and_positions(tiny_model, rl_processor, rl_video):
+    samples, batch, out = _check_training_forward_matches_rollout(tiny_model, rl_processor, _prompts(rl_video.path))
+    assert "second_per_grid_ts" in batch and "pixel_values" in batch
     # the check has teeth: without the video timing the video rows' positions, hence log-probs, change
     broken = {k: v for k, v in batch.items() if k != "second_per_grid_ts"}
     with torch.no_grad():
         bad = token_logprobs(tiny_model, broken, batch["responses"], batch["response_attention"], temperature=0.9)
     vid_rows = [b for b, s in enumerate(samples) if s.prompt.id == "vid"]
     assert not torch.allclose(bad.logp[vid_rows], out.logp[vid_rows], atol=1e-3)
+
+
+def test_keye_1_5_slow_fast_video_reaches_the_training_forward(tmp_path, rl_video):
+    from keye.processing.processor import KeyeProcessor
+    from keye.testing.model import make_tiny_model
+    from keye.testing.processor import make_test_video, make_tiny_processor_dir
+
+    processor = KeyeProcessor.from_pretrained(make_tiny_processor_dir(tmp_path / "p15", variant="1.5"))
+    model = make_tiny_model("1.5", seed=1)
+    static = make_test_video(tmp_path / "static.mp4", 12, fps=10.0, size=(56, 84), pattern="static")
+    vid = {"type": "video", "video": str(static.path), "nframes": 4, "resized_height": 56, "resized_width": 56}
+    prompts = _prompts(rl_video.path)[:2] + [
+        RLPrompt("sf", [{"role": "user", "content": [vid, {"type": "text", "text": "what changes?"}]}], mode="think")]
+    samples, batch, _ = _check_training_forward_matches_rollout(model, processor, prompts)
+    assert batch["video_grid_thw"].shape[0] > 1  # slow and fast frames give several grid rows
+    assert "second_per_grid_ts" not in batch
 
 
 def test_chunked_and_full_logits_agree_with_gradients(tiny_model, rl_processor, rl_video):
