@@ -279,7 +279,7 @@ def collect(
     seen: set[str] = set()
     buf: list[RLPrompt] = []
 
-    def flush() -> None:
+    def _flush() -> None:
         samples = engine.generate(buf, n)
         scores = scorer(samples)
         for i, p in enumerate(buf):
@@ -310,9 +310,9 @@ def collect(
         seen.add(p.id)
         buf.append(p)
         if len(buf) == batch_prompts:
-            flush()
+            _flush()
     if buf:
-        flush()
+        _flush()
     return pool, stats
 
 

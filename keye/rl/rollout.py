@@ -222,7 +222,9 @@ class RolloutEngine(Protocol):
     (sample ``j`` of prompt ``i`` at index ``i * n + j``, ``group == i``).
     """
 
-    def generate(self, prompts: Sequence[RLPrompt], n: int) -> list[RolloutSample]: ...
+    def generate(self, prompts: Sequence[RLPrompt], n: int) -> list[RolloutSample]:
+        """``n`` samples per prompt, prompt by prompt."""
+        ...
 
 
 def _apply_mode(messages: list[dict[str, Any]], mode: str | None) -> list[dict[str, Any]]:
