@@ -69,9 +69,10 @@ class KeyeBatch(dict):
             raise AttributeError(name) from None
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> KeyeBatch:
-        """Move every tensor to ``device`` (and cast floating tensors to ``dtype`` if given); returns self."""
+        """Move every tensor to ``device`` and, if ``dtype`` is given, cast the pixel tensors to it
+        (``second_per_grid_ts`` stays float32: the time positions depend on its float32 maths). Returns self."""
         for k, v in self.items():
-            if dtype is not None and v.is_floating_point():
+            if dtype is not None and k.startswith("pixel_values"):
                 self[k] = v.to(device=device, dtype=dtype)
             else:
                 self[k] = v.to(device)

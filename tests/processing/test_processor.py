@@ -295,8 +295,12 @@ def test_training_labels_cover_only_assistant_turns(proc):
 
 
 def test_batch_to_and_attribute_access(proc):
-    b = proc(_user(_img("img5_small_40x30.png")))
-    assert b.to("cpu", dtype=torch.float64).pixel_values.dtype == torch.float64
+    b = proc(
+        _user(_img("img5_small_40x30.png"), {"type": "video", "video": np.zeros((2, 28, 28, 3), np.uint8)})
+    )
+    b.to("cpu", dtype=torch.bfloat16)
+    assert b.pixel_values.dtype == b.pixel_values_videos.dtype == torch.bfloat16
+    assert b.second_per_grid_ts.dtype == torch.float32
     assert b.input_ids.dtype == torch.long
 
 
