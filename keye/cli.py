@@ -19,7 +19,7 @@ _AREAS = (
     "keye.model.cli",  # keye init / merge / convert
     "keye.processing.cli",  # keye chat / keye process
     "keye.data.cli",  # keye data check / synth / clip-filter
-    "keye.train_cli",  # keye train sft / rlep, keye rlep collect
+    "keye.train.cli",  # keye train sft / rlep, keye init, keye merge
     "keye.eval.cli",  # keye eval mmmu / mathvista / videoqa / synth / score
     "keye.demo_cli",  # keye demo
 )

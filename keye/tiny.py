@@ -1,0 +1,34 @@
+"""The embedded default model ``keye-tiny``: a few-million-parameter Keye-VL-1.5-style model trained
+by ``training/configs/tiny_synth.yaml`` on the synthetic video-QA set that ships with the repo.
+
+It lives inside the package (``keye/assets/keye-tiny``) so the demo, ``keye chat``, evaluation and the
+training recipes run offline on a laptop CPU. ``training/build_tiny.sh`` is the exact command that
+rebuilt it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from keye.errors import KeyeConfigError
+
+TINY_DIR = Path(__file__).resolve().parent / "assets" / "keye-tiny"
+
+
+def tiny_dir() -> Path:
+    """Directory of the embedded keye-tiny checkpoint (model + processor files)."""
+    if not (TINY_DIR / "config.json").is_file():
+        raise KeyeConfigError(
+            f"{TINY_DIR}: the embedded keye-tiny checkpoint is missing from this install; rebuild it with "
+            "training/build_tiny.sh"
+        )
+    return TINY_DIR
+
+
+def load_tiny(device: str = "cpu"):
+    """Return ``(model, processor)`` of keye-tiny, ready for ``model.generate(**processor(messages))``."""
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    d = tiny_dir()
+    return KeyeVL.from_pretrained(d, torch_dtype="float32", device=device), KeyeProcessor.from_pretrained(d)

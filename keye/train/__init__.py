@@ -1,0 +1,1 @@
+"""Training recipes' shared machinery: typed configs, distributed wrapping, checkpoints, SFT loop."""

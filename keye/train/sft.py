@@ -1,0 +1,665 @@
+"""Supervised fine-tuning of Keye-VL (the recipe behind ``keye train sft`` and ``training/sft.py``).
+
+Launch::
+
+    keye train sft --config training/configs/tiny_synth.yaml                      # one CPU
+    torchrun --nproc_per_node 8 -m keye train sft --config training/configs/keye_vl_8b_sft.yaml \\
+        model.path=Kwai-Keye/Keye-VL-1_5-8B data.manifest=/data/sft.jsonl
+
+What one optimizer step does: each rank takes ``data.micro_batches`` load-balanced micro-batches
+(packed rows by default), the number of target tokens of the whole global step is summed over
+micro-batches and ranks, and every micro-batch's summed token loss is divided by that number. The
+gradient is therefore the mean over all target tokens of the global batch, independent of how tokens
+fall into micro-batches or ranks (not a mean of per-micro-batch means).
+
+Stage presets (``train.stage``), from the Keye reports:
+  ``align``    cross-modal alignment: projector only (vision tower and LLM frozen);
+  ``full``     multi-task pre-training / SFT: everything trainable;
+  ``llm_only`` LLM (and projector) trainable, vision tower frozen;
+  ``custom``   use ``train.freeze`` as given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from keye.errors import KeyeConfigError
+from keye.train import dist as kdist
+from keye.train.config import dump_config, load_config, to_dict
+
+log = logging.getLogger("keye.train")
+
+MODEL_INPUT_KEYS = (
+    "input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "pixel_values_videos",
+    "video_grid_thw", "second_per_grid_ts", "seq_lens", "position_ids",
+)
+
+
+# ----------------------------------------------------------------------------------------- config
+@dataclass
+class ModelSection:
+    path: str = "keye-tiny"  # checkpoint dir, hub id, or "keye-tiny" (the embedded default)
+    processor: str | None = None  # processor dir if not the model dir
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataSection:
+    manifest: str = "data/synth/train.jsonl"
+    root: str | None = None
+    batch_tokens: int | None = 4096  # token budget of one packed micro-batch row
+    batch_size: int | None = None  # or: samples per micro-batch (padded batches)
+    micro_batches: int = 1  # gradient accumulation steps per optimizer step
+    packing: bool = True
+    num_workers: int = 0
+    max_bad_fraction: float = 0.05
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoraSection:
+    enabled: bool = False
+    targets: list[str] = field(default_factory=lambda: ["llm"])  # "llm" and/or "vision"
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainSection:
+    stage: Literal["align", "full", "llm_only", "custom"] = "full"
+    freeze: list[str] = field(default_factory=list)  # with stage=custom: subset of vision, projector, llm
+    lr: float = 1e-4
+    lr_vision: float | None = None  # per-tower learning rates (default: lr)
+    lr_projector: float | None = None
+    lr_llm: float | None = None
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    epochs: int = 1
+    max_steps: int | None = None
+    grad_clip: float = 1.0
+    seed: int = 0
+    strategy: Literal["none", "ddp", "fsdp2", "zero2", "zero3"] = "none"
+    deepspeed_config: str | None = None
+    device: str = "auto"
+
+
+@dataclass
+class CheckpointSection:
+    out_dir: str = "runs/sft"
+    save_every: int = 0  # optimizer steps between checkpoints (0: only at the end)
+    keep_last: int = 2
+    export: bool = True  # write <out_dir>/final in the official layout (+ processor files)
+
+
+@dataclass
+class LogSection:
+    every: int = 1
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class SFTConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+
+# ------------------------------------------------------------------------------------ model setup
+def resolve_model_path(path: str) -> str:
+    """``keye-tiny`` -> the embedded default's directory; anything else unchanged."""
+    if path == "keye-tiny":
+        from keye.tiny import tiny_dir
+
+        return str(tiny_dir())
+    return path
+
+
+TOWERS = {"vision": ("visual.",), "projector": ("mlp_AR.",), "llm": ("model.", "lm_head.")}
+STAGE_FREEZE = {"align": ["vision", "llm"], "full": [], "llm_only": ["vision"]}
+
+
+def tower_of(name: str) -> str:
+    """Which tower a parameter belongs to (``vision``, ``projector`` or ``llm``); PEFT prefixes ignored."""
+    for prefix in ("base_model.model.",):
+        name = name.removeprefix(prefix)
+    for tower, prefixes in TOWERS.items():
+        if name.startswith(prefixes):
+            return tower
+    raise KeyeConfigError(f"parameter {name!r} belongs to no known tower")
+
+
+def apply_freezing(model: torch.nn.Module, cfg: TrainSection) -> list[str]:
+    """Set ``requires_grad`` per the stage preset; returns the frozen tower names."""
+    frozen = list(cfg.freeze) if cfg.stage == "custom" else STAGE_FREEZE[cfg.stage]
+    bad = sorted(set(frozen) - set(TOWERS))
+    if bad:
+        raise KeyeConfigError(f"train.freeze has unknown tower(s) {bad}; use vision, projector, llm")
+    for name, p in model.named_parameters():
+        p.requires_grad_(tower_of(name) not in frozen)
+    return frozen
+
+
+LORA_TARGETS = {
+    "llm": r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+    "vision": r"visual\.vision_model\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])",
+}
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraSection) -> torch.nn.Module:
+    """Inject LoRA adapters (peft) into the chosen towers; base weights of those towers are frozen,
+    other trainable parts (e.g. the projector) stay trainable."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    bad = sorted(set(cfg.targets) - set(LORA_TARGETS))
+    if bad:
+        raise KeyeConfigError(f"lora.targets has unknown entries {bad}; use llm and/or vision")
+    pattern = "|".join(f"(?:{LORA_TARGETS[t]})" for t in cfg.targets)
+    lcfg = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=f"^(?:{pattern})$")
+    trainable_before = {n for n, p in model.named_parameters() if p.requires_grad}
+    model = inject_adapter_in_model(lcfg, model)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+        elif tower_of(name) in cfg.targets:
+            p.requires_grad_(False)
+        else:
+            p.requires_grad_(name in trainable_before)
+    return model
+
+
+def _lora_scaling(model: torch.nn.Module) -> dict[str, float]:
+    """alpha / r of every LoRA-wrapped module, by module name."""
+    return {n: float(m.scaling.get("default", 1.0)) for n, m in model.named_modules()
+            if isinstance(getattr(m, "scaling", None), dict)}
+
+
+def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The official-layout state dict: LoRA deltas folded into their base weights, adapter tensors dropped."""
+    state = state if state is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    scaling = _lora_scaling(model)
+    for key, val in state.items():
+        if "lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight") or key.endswith(".base_layer.bias"):
+            mod = key.rsplit(".base_layer.", 1)[0]
+            kind = key.rsplit(".", 1)[1]
+            new_key = f"{mod}.{kind}"
+            if kind == "weight" and f"{mod}.lora_A.default.weight" in state:
+                a = state[f"{mod}.lora_A.default.weight"].float()
+                b = state[f"{mod}.lora_B.default.weight"].float()
+                val = (val.float() + scaling.get(mod, 1.0) * (b @ a)).to(val.dtype)
+            out[new_key] = val
+        else:
+            out[key] = val
+    return out
+
+
+def param_groups(model: torch.nn.Module, cfg: TrainSection) -> list[dict[str, Any]]:
+    """AdamW parameter groups: one per tower (own lr), no weight decay on norms and biases."""
+    lrs = {"vision": cfg.lr_vision, "projector": cfg.lr_projector, "llm": cfg.lr_llm}
+    groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = p.ndim < 2 or "norm" in name
+        groups.setdefault((tower_of(name), no_decay), []).append(p)
+    out = []
+    for (tower, no_decay), params in sorted(groups.items()):
+        lr = lrs[tower] if lrs[tower] is not None else cfg.lr
+        out.append({"params": params, "lr": lr, "initial_lr": lr, "weight_decay": 0.0 if no_decay else cfg.weight_decay,
+                    "name": f"{tower}{'_no_decay' if no_decay else ''}"})
+    if not out:
+        raise KeyeConfigError("no trainable parameters: check train.stage / train.freeze / lora")
+    return out
+
+
+def lr_lambda(cfg: TrainSection, total_steps: int):
+    """Warmup then cosine / linear decay to ``min_lr_ratio`` (or constant)."""
+
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant" or total_steps <= cfg.warmup_steps:
+            return 1.0
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if cfg.schedule == "linear":
+            decay = 1.0 - frac
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    return fn
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoints (``step_XXXXXXXX`` with a ``DONE`` marker), oldest first."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(p for p in out_dir.glob("step_*") if (p / "DONE").is_file())
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    wrapped: kdist.Wrapped,
+    optimizer,
+    scheduler,
+    loader,
+    trainer_state: dict[str, Any],
+    processor,
+    info: kdist.DistInfo,
+    lora: bool,
+) -> None:
+    """Model in the official layout (+ adapter weights with LoRA), optimizer, scheduler, RNG (per
+    rank), loader state and trainer counters. Written to a temp dir and renamed, with a DONE marker,
+    so a crash mid-save never leaves a checkpoint that looks complete."""
+    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    kdist.barrier()
+    state = kdist.full_state_dict(wrapped)
+    if wrapped.strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optim_state = get_optimizer_state_dict(wrapped.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif wrapped.is_deepspeed:
+        wrapped.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+        optim_state = None
+    else:
+        optim_state = optimizer.state_dict()
+    if info.is_main:
+        model = wrapped.model
+        official = merged_state_dict(model, state) if lora else state
+        from keye.model.weights import save_state_dict
+
+        save_state_dict(official, tmp / "model")
+        model.config.torch_dtype = str(next(iter(official.values())).dtype).removeprefix("torch.")
+        model.config.to_json_file(tmp / "model" / "config.json")
+        if processor is not None:
+            processor.save_pretrained(tmp / "model")
+        if lora:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items() if "lora_" in k}, str(tmp / "adapter.safetensors"))
+        torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(), "trainer": trainer_state,
+                    "loader": loader.state_dict()}, tmp / "trainer_state.pt")
+    kdist.barrier()  # the main rank has written tmp/ by now
+    torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
+    kdist.barrier()
+    if info.is_main:
+        (tmp / "DONE").write_text(json.dumps({"step": trainer_state["step"], "time": time.time()}))
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        tmp.rename(ckpt_dir)
+    kdist.barrier()
+
+
+def prune_checkpoints(out_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints."""
+    if keep_last <= 0:
+        return
+    for old in list_checkpoints(out_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info, lora: bool) -> dict[str, Any]:
+    """Restore everything :func:`save_checkpoint` wrote; returns the trainer counters."""
+    from keye.model.weights import iter_tensors
+
+    model = wrapped.model
+    official = {name: handle.get_tensor(name) for name, _, handle in iter_tensors(ckpt_dir / "model")}
+    state = model.state_dict() if not wrapped.strategy == "fsdp2" else None
+    if lora:
+        from safetensors.torch import load_file
+
+        adapters = load_file(str(ckpt_dir / "adapter.safetensors"))
+        # The official export has LoRA merged in; rebuild base = merged - delta so training resumes exactly.
+        full = {}
+        scaling = _lora_scaling(model)
+        for key in model.state_dict():
+            if "lora_" in key:
+                full[key] = adapters[key]
+            elif ".base_layer." in key:
+                mod, kind = key.rsplit(".base_layer.", 1)
+                val = official[f"{mod}.{kind}"]
+                if kind == "weight" and f"{mod}.lora_A.default.weight" in adapters:
+                    a = adapters[f"{mod}.lora_A.default.weight"].float()
+                    b = adapters[f"{mod}.lora_B.default.weight"].float()
+                    val = (val.float() - scaling.get(mod, 1.0) * (b @ a)).to(val.dtype)
+                full[key] = val
+            else:
+                full[key] = official[key]
+        official = full
+    if wrapped.strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(model, official, options=StateDictOptions(full_state_dict=True))
+    else:
+        with torch.no_grad():
+            for k, v in state.items():
+                v.copy_(official[k])
+    blob = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
+    if wrapped.is_deepspeed:
+        wrapped.engine.load_checkpoint(str(ckpt_dir / "deepspeed"), tag="state")
+    elif wrapped.strategy == "fsdp2":
+        set_optimizer_state_dict(model, optimizer, blob["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    loader.load_state_dict(blob["loader"])
+    rng = ckpt_dir / f"rng_rank{info.rank}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return blob["trainer"]
+
+
+# --------------------------------------------------------------------------------------- metrics
+class MetricsWriter:
+    """JSONL metrics (always) and TensorBoard scalars (when installed and enabled); rank 0 only."""
+
+    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = None
+        self.tb = None
+        if not enabled:
+            return
+        self.file = open(out_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard is optional
+                self.tb = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# ------------------------------------------------------------------------------------------ main
+def model_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The tensors of a loader micro-batch that the model's forward takes, moved to ``device``."""
+    out = {}
+    for k in MODEL_INPUT_KEYS:
+        v = batch.get(k)
+        if v is None:
+            continue
+        if k == "seq_lens" and not batch.get("packed", "cu_seqlens" in batch):
+            continue
+        out[k] = v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+    if "seq_lens" in out and out["input_ids"].shape[0] != 1:
+        del out["seq_lens"]
+    return out
+
+
+def _infinite(loader):
+    while True:
+        yield from loader
+
+
+def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Run SFT as configured; returns the run summary (also written to ``summary.json``).
+
+    ``stop_after`` stops after that many optimizer steps *of this invocation* without the final
+    save (used to simulate a crash in resume tests).
+    """
+    from keye.data.loader import build_dataloader
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    info = kdist.init_distributed(cfg.train.device)
+    out_dir = Path(cfg.checkpoint.out_dir)
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out_dir / "config.yaml")
+    kdist.barrier()
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+
+    model_path = resolve_model_path(cfg.model.path)
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if info.device.type == "cuda" else "float32"
+    model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
+    processor = KeyeProcessor.from_pretrained(resolve_model_path(cfg.model.processor or cfg.model.path))
+    model.train()
+    # Data-parallel/sharded ranks must run identical modules even when a micro-batch has no pixels.
+    model.always_run_vision = info.distributed
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    frozen = apply_freezing(model, cfg.train)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora)
+
+    loader = build_dataloader(
+        cfg.data.manifest, processor, root=cfg.data.root, batch_tokens=cfg.data.batch_tokens,
+        batch_size=cfg.data.batch_size, micro_batches=cfg.data.micro_batches, world_size=info.world_size,
+        rank=info.rank, seed=cfg.train.seed, num_workers=cfg.data.num_workers, packing=cfg.data.packing,
+        max_bad_fraction=cfg.data.max_bad_fraction, processor_kwargs=cfg.data.processor_kwargs,
+        bad_log=(out_dir / "bad_samples.jsonl") if info.is_main else None,
+    )
+    steps_per_epoch = max(1, len(loader) // cfg.data.micro_batches)
+    total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+
+    def make_optimizer():
+        return torch.optim.AdamW(param_groups(model, cfg.train), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                 weight_decay=cfg.train.weight_decay)
+
+    ds_cfg = None
+    if cfg.train.strategy in ("zero2", "zero3"):
+        ds_path = cfg.train.deepspeed_config or f"training/deepspeed/{cfg.train.strategy}.json"
+        try:
+            ds_cfg = json.loads(Path(ds_path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise KeyeConfigError(f"{ds_path}: cannot read the DeepSpeed config ({err})") from None
+        ds_cfg["train_micro_batch_size_per_gpu"] = 1
+        ds_cfg["gradient_accumulation_steps"] = cfg.data.micro_batches
+        ds_cfg["train_batch_size"] = cfg.data.micro_batches * info.world_size
+        ds_cfg["gradient_clipping"] = cfg.train.grad_clip
+        if info.device.type != "cuda":
+            ds_cfg.pop("bf16", None)
+    if cfg.train.strategy == "fsdp2":
+        wrapped = kdist.wrap_model(model, cfg.train.strategy, info)
+        optimizer = make_optimizer()
+    else:
+        model.to(info.device)
+        optimizer = make_optimizer()
+        wrapped = kdist.wrap_model(model, cfg.train.strategy, info, optimizer=optimizer, deepspeed_config=ds_cfg)
+    # The LR schedule drives the torch optimizer's param groups (DeepSpeed's ZeRO optimizer shares them).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train, total_steps))
+
+    state = {"step": 0, "samples": 0, "tokens": 0, "losses": []}
+    ckpts = list_checkpoints(out_dir)
+    if ckpts:
+        state = load_checkpoint(ckpts[-1], wrapped, optimizer, scheduler, loader, info, cfg.lora.enabled)
+        if info.is_main:
+            log.info("resumed from %s at step %d", ckpts[-1], state["step"])
+
+    metrics = MetricsWriter(out_dir, info.is_main, cfg.log.tensorboard)
+    bar = None
+    if info.is_main and cfg.log.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=state["step"], desc="sft", dynamic_ncols=True)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t_start = time.time()
+    batches = _infinite(loader)
+    steps_this_run = 0
+    use_ds = wrapped.is_deepspeed
+    while state["step"] < total_steps:
+        t0 = time.time()
+        mbs = [next(batches) for _ in range(cfg.data.micro_batches)]
+        local_targets = sum(int(mb["num_label_tokens"]) for mb in mbs)
+        global_targets = kdist.all_reduce_sum(local_targets, info.device)
+        # DDP/FSDP average gradients over ranks and DeepSpeed also over accumulation steps; undo both
+        # so the result is sum(token losses) / global target tokens.
+        scale = info.world_size * (cfg.data.micro_batches if use_ds else 1) / max(global_targets, 1.0)
+        loss_sum = 0.0
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            with wrapped.no_sync(last):
+                out = wrapped.module(**model_inputs(mb, info.device), loss_reduction="sum")
+                wrapped.backward(out.loss * scale)
+            loss_sum += float(out.loss.detach())
+        if use_ds:
+            wrapped.engine.step()
+            grad_norm = float(wrapped.engine.get_global_grad_norm() or 0.0)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        loss = kdist.all_reduce_sum(loss_sum, info.device) / max(global_targets, 1.0)
+        tokens = kdist.all_reduce_sum(sum(int(mb["num_tokens"]) for mb in mbs), info.device)
+        samples = kdist.all_reduce_sum(sum(int(mb["num_samples"]) for mb in mbs), info.device)
+        state["step"] += 1
+        state["samples"] += int(samples)
+        state["tokens"] += int(tokens)
+        state["losses"].append(loss)
+        steps_this_run += 1
+        dt = time.time() - t0
+        row = {"loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+               "target_tokens": global_targets, "samples": state["samples"], "epoch": mbs[-1].get("epoch", 0)}
+        if state["step"] % cfg.log.every == 0:
+            metrics.write(state["step"], row)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / dt:.0f}")
+            bar.update(1)
+        if stop_after is not None and steps_this_run >= stop_after and state["step"] < total_steps:
+            if cfg.checkpoint.save_every and state["step"] % cfg.checkpoint.save_every == 0:
+                save_checkpoint(out_dir / f"step_{state['step']:08d}", wrapped, optimizer, scheduler, loader, state,
+                                processor, info, cfg.lora.enabled)
+            break
+        if cfg.checkpoint.save_every and state["step"] % cfg.checkpoint.save_every == 0 and state["step"] < total_steps:
+            save_checkpoint(out_dir / f"step_{state['step']:08d}", wrapped, optimizer, scheduler, loader, state,
+                            processor, info, cfg.lora.enabled)
+            if info.is_main:
+                prune_checkpoints(out_dir, cfg.checkpoint.keep_last)
+    if bar is not None:
+        bar.close()
+    finished = state["step"] >= total_steps
+    if finished:
+        save_checkpoint(out_dir / f"step_{state['step']:08d}", wrapped, optimizer, scheduler, loader, state,
+                        processor, info, cfg.lora.enabled)
+        if info.is_main:
+            prune_checkpoints(out_dir, cfg.checkpoint.keep_last)
+            if cfg.checkpoint.export:
+                final = out_dir / "final"
+                shutil.rmtree(final, ignore_errors=True)
+                shutil.copytree(out_dir / f"step_{state['step']:08d}" / "model", final)
+    data_summary = loader.summary()
+    summary = {
+        "finished": finished,
+        "steps": state["step"],
+        "samples": state["samples"],
+        "tokens": state["tokens"],
+        "skipped_samples": data_summary.get("samples_bad", 0),
+        "final_loss": state["losses"][-1] if state["losses"] else None,
+        "first_loss": state["losses"][0] if state["losses"] else None,
+        "losses": state["losses"],
+        "seconds": time.time() - t_start,
+        "trainable_parameters": n_trainable,
+        "frozen_towers": frozen,
+        "world_size": info.world_size,
+        "strategy": wrapped.strategy,
+        "data": data_summary,
+    }
+    if info.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        metrics.close()
+        if cfg.log.progress:
+            print(format_summary(summary, out_dir))
+    kdist.barrier()
+    return summary
+
+
+def format_summary(s: dict[str, Any], out_dir: Path) -> str:
+    """A human-readable end-of-run report."""
+    loss = "n/a" if s["final_loss"] is None else f"{s['final_loss']:.4f} (first {s['first_loss']:.4f})"
+    return (
+        f"SFT {'finished' if s['finished'] else 'stopped'}: {s['steps']} steps, {s['samples']} samples, "
+        f"{s['tokens']} tokens, {s['skipped_samples']} skipped samples, final loss {loss}, "
+        f"{s['seconds']:.1f}s on {s['world_size']} process(es) [{s['strategy']}]; outputs in {out_dir}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``keye train sft --config CFG.yaml [key=value ...]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="keye train sft", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML recipe config")
+    ap.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. train.lr=1e-4")
+    args = ap.parse_args(argv)
+    return run_from_args(args.config, args.overrides)
+
+
+def run_from_args(config: str | None, overrides: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("KEYE_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_config(SFTConfig, config, overrides)
+    try:
+        train(cfg)
+    finally:
+        kdist.cleanup()
+    return 0
+
+
+__all__ = ["SFTConfig", "train", "main", "to_dict"]
