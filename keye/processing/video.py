@@ -10,7 +10,8 @@ Decoding is split in two steps so only the sampled frames are ever decoded:
 
 Backends: ``"pyav"`` (always present), ``"decord"`` (pip ``decord2``) and ``"torchcodec"`` when they import.
 The choice is the ``backend`` argument, else the ``KEYE_VIDEO_BACKEND`` environment variable, else the
-first available of decord, torchcodec, pyav; when a backend fails the next available one is tried.
+first usable of pyav, decord, torchcodec (PyAV first: always installed, and the fastest seek path in
+``benchmarks/video.py``); when a backend fails the next usable one is tried.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from keye.processing.slowfast import (
     max_frames_for_budget,
 )
 
-BACKENDS = ("decord", "torchcodec", "pyav")
+BACKENDS = ("pyav", "decord", "torchcodec")
 ENV_BACKEND = "KEYE_VIDEO_BACKEND"
 
 # Preview constants (keye-vl-utils 1.0.0, §9.1).
@@ -450,13 +451,13 @@ def _torchcodec_usable() -> bool:
 
 
 def available_backends() -> list[str]:
-    """Backends usable here, in automatic-choice order (pyav is always last and always present)."""
-    out = []
+    """Backends usable here, in automatic-choice order (pyav first; it is always present)."""
+    out = ["pyav"]
     if importlib.util.find_spec("decord") is not None:
         out.append("decord")
     if _torchcodec_usable():
         out.append("torchcodec")
-    return out + ["pyav"]
+    return out
 
 
 def _decode_pyav(probe: VideoProbe, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -536,7 +537,7 @@ def choose_backends(backend: str | None = None) -> list[str]:
         return avail
     want = want.lower()
     if want not in _DECODERS:
-        raise KeyeInputError(f"unknown video backend {want!r}; expected one of {sorted(_DECODERS)}")
+        raise KeyeInputError(f"unknown video backend {want!r}; expected one of {list(BACKENDS)}")
     if want not in avail:
         raise KeyeInputError(f"video backend {want!r} is not installed (available: {avail})")
     return [want] + [b for b in avail if b != want]
