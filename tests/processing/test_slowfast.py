@@ -191,3 +191,33 @@ def test_processor_v15_slow_fast_off(tmp_path):
     clip = make_test_video(tmp_path / "s.mp4", 16, fps=8, size=(112, 224), pattern="static")
     b = proc([{"role": "user", "content": [{"type": "video", "video": str(clip.path), "slow_fast": False}]}])
     assert set(b.video_meta[0].frame_types) == {"slow"} and len(b.video_grid_thw) == 1
+
+
+def test_processor_v15_two_videos_numbered_in_order(tmp_path):
+    from keye.processing.processor import KeyeProcessor
+    from keye.testing.processor import make_tiny_processor_dir
+
+    proc = KeyeProcessor.from_pretrained(make_tiny_processor_dir(tmp_path / "p15", variant="1.5"))
+    a = make_test_video(tmp_path / "a.mp4", 16, fps=8, size=(112, 224), pattern="static")
+    b = make_test_video(tmp_path / "b.mp4", 24, fps=8, size=(112, 224), pattern="scenes", scene_cuts=[12])
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": str(a.path)},
+                {"type": "text", "text": "and"},
+                {"type": "video", "video": str(b.path)},
+            ],
+        },
+    ]
+    out = proc(msgs)
+    ma, mb = out.video_meta
+    assert (ma.index, mb.index) == (0, 1) and len(ma.indices) == 4 and len(mb.indices) == 6
+    assert int(out.video_grid_thw[:, 0].sum()) == 10
+    per_frame_rows = sum(g[1] * g[2] for g in ma.frame_grids + mb.frame_grids)
+    assert out.pixel_values_videos.shape[0] == per_frame_rows
+    assert int((out.input_ids == proc.video_token_id).sum()) == ma.tokens + mb.tokens
+    assert proc.decode(out.input_ids[0], skip_special_tokens=False).startswith(
+        "<|im_start|>system\nBe brief."
+    )
