@@ -74,6 +74,13 @@ def init_from_parts(llm_dir: str | Path, vision_dir: str | Path, out_dir: str | 
         tok = AutoTokenizer.from_pretrained(str(llm_dir))
     except Exception as err:  # noqa: BLE001
         raise KeyeConfigError(f"{llm_dir}: cannot load the LLM's tokenizer ({err})") from None
+    if variant == "1.5":
+        # Keye-VL-1.5 writes each video frame as <|frame|> + timestamp, fast frames inside
+        # <|fast_start|>...<|fast_end|>; a Qwen3 tokenizer lacks these, so they are added here.
+        new = [t for t in ("<|frame|>", "<|fast_start|>", "<|fast_end|>")
+               if tok.convert_tokens_to_ids(t) in (None, tok.unk_token_id)]
+        if new:
+            tok.add_tokens(new, special_tokens=True)
     ids = {}
     for key, name in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
@@ -83,6 +90,10 @@ def init_from_parts(llm_dir: str | Path, vision_dir: str | Path, out_dir: str | 
         if tid is None or tid == tok.unk_token_id:
             raise KeyeConfigError(f"{llm_dir}: the tokenizer has no {name} token (a Qwen3 tokenizer is required)")
         ids[key] = tid
+    grow_to = 0
+    if len(tok) > text.vocab_size:
+        grow_to = -(-len(tok) // 64) * 64  # keep the embedding row count a multiple of 64
+        text.vocab_size = grow_to
     config = KeyeVLConfig(variant=variant, text=text, vision=vision, torch_dtype="float32", **ids)
 
     torch.manual_seed(seed)
@@ -95,6 +106,13 @@ def init_from_parts(llm_dir: str | Path, vision_dir: str | Path, out_dir: str | 
             state[k] = v
     if text.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if grow_to:
+        # New token rows start at the mean of the existing rows (a neutral, in-distribution init).
+        for key in ("model.embed_tokens.weight", "lm_head.weight"):
+            if key in state:
+                old = state[key]
+                extra = old.float().mean(0, keepdim=True).expand(grow_to - old.shape[0], -1).to(old.dtype)
+                state[key] = torch.cat([old, extra])
     vis = _tensors(vision_dir)
     for k, v in vis.items():
         base = k.removeprefix("vision_model.")
@@ -124,12 +142,11 @@ def init_from_parts(llm_dir: str | Path, vision_dir: str | Path, out_dir: str | 
     config.torch_dtype = str(dtype).removeprefix("torch.")
     save_state_dict({k: v.to(dtype) for k, v in state.items()}, out)
     config.to_json_file(out / "config.json")
-    for f in _PROCESSOR_FILES:
-        if (llm_dir / f).is_file():
-            shutil.copy2(llm_dir / f, out / f)
+    if (llm_dir / "generation_config.json").is_file():
+        shutil.copy2(llm_dir / "generation_config.json", out / "generation_config.json")
     from keye.processing.processor import KeyeProcessor
 
-    # Writes preprocessor_config.json and the official chat template for the variant.
+    # Writes the (possibly extended) tokenizer, preprocessor_config.json and the official chat template.
     KeyeProcessor(tok, variant=variant).save_pretrained(out)
     return out
 
