@@ -38,6 +38,9 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(out, "w") as f:
                 json.dump(gathered, f)
+        # Both ranks leave together: a rank tearing down while the other (or rank 0's store) is still
+        # talking to it can abort in the C++ store client.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
