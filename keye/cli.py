@@ -21,7 +21,7 @@ _AREAS = (
     "keye.data.cli",  # keye data check / synth / clip-filter
     "keye.train.cli",  # keye train sft / rlep, keye init, keye merge
     "keye.eval.cli",  # keye eval mmmu / mathvista / videoqa / synth / score
-    "keye.demo_cli",  # keye demo
+    "keye.demo.cli",  # keye demo, keye chat
 )
 
 

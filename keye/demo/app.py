@@ -1,0 +1,373 @@
+"""The Gradio video Q&A demo: upload a video or images (or pick an example), ask, watch the answer stream.
+
+The page shows, next to the chat, every frame the model saw (at the resolution it saw it, with its
+timestamp, slow/fast type and token cost) and the token totals. Thinking goes into a collapsible block
+above the answer. The model loads on a background thread; the status bar says when it is ready and
+questions asked earlier wait for it. Requests are queued (one generation at a time by default) and any
+bad upload is answered with a readable message in the page, the server carrying on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import gradio as gr
+
+from keye.demo.engine import ModelHost, quiet_transformers
+from keye.demo.examples import load_examples
+from keye.demo.frames import seen_frames, token_summary
+from keye.demo.session import (
+    MODES,
+    ChatSession,
+    SamplingSettings,
+    VideoSettings,
+    check_media,
+    split_partial,
+    stream_reply,
+)
+from keye.errors import KeyeError
+
+log = logging.getLogger("keye.demo")
+
+TITLE = "Keye-VL · video Q&A"
+LOAD_WAIT_S = 900.0  # how long a question waits for a model that is still loading
+
+CSS = """
+.keye-header h1 {margin-bottom: 0.1em}
+.keye-status {font-size: 0.92em; opacity: 0.9}
+.keye-alert {border-left: 4px solid #d9534f; background: rgba(217, 83, 79, 0.08); padding: 0.4em 0.8em;
+             border-radius: 4px}
+.keye-summary {font-size: 0.92em}
+footer {display: none !important}
+"""
+
+
+def _theme() -> Any:
+    return gr.themes.Soft(primary_hue="indigo", secondary_hue="slate")
+
+
+def _files_list(files: Any) -> list[str]:
+    if not files:
+        return []
+    if isinstance(files, (str, os.PathLike)):
+        return [str(files)]
+    return [str(getattr(f, "name", f)) for f in files]
+
+
+def _summary_markdown(summary: dict[str, Any], gen: dict[str, Any] | None = None) -> str:
+    lines = [
+        f"**Prompt:** {summary['prompt_tokens']:,} tokens, of which **{summary['visual_tokens']:,} visual**"
+    ]
+    if summary["slow_frames"] or summary["fast_frames"]:
+        slow_hw, fast_hw = summary["slow_size"], summary["fast_size"]
+        part = f"**Frames:** {summary['slow_frames']} slow"
+        if slow_hw:
+            part += f" at {slow_hw[1]}×{slow_hw[0]} ({summary['slow_tokens']:,} tokens)"
+        part += f", {summary['fast_frames']} fast"
+        if fast_hw:
+            part += f" at {fast_hw[1]}×{fast_hw[0]} ({summary['fast_tokens']:,} tokens)"
+        lines.append(part)
+    if summary["images"]:
+        lines.append(f"**Images:** {summary['images']} ({summary['image_tokens']:,} tokens)")
+    if gen is not None and gen.get("tokens"):
+        rate = gen["tokens"] / gen["seconds"] if gen["seconds"] > 0 else 0.0
+        lines.append(
+            f"**Generated:** {gen['tokens']} tokens in {gen['seconds']:.1f} s ({rate:.1f} tokens/s; "
+            f"prompt + first token {gen['first']:.1f} s)"
+        )
+    return "  \n".join(lines)
+
+
+def _turn_messages(question: str, text: str, final: bool) -> list[dict[str, Any]]:
+    """Chatbot messages of one turn: the question, a collapsible thinking block if any, the answer."""
+    view = split_partial(text)
+    out: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    if view.thinking is not None:
+        status = "done" if (view.thinking_done or final) else "pending"
+        out.append(
+            {
+                "role": "assistant",
+                "content": view.thinking or "…",
+                "metadata": {"title": "Thinking", "status": status},
+            }
+        )
+    if view.answer or final:
+        out.append({"role": "assistant", "content": view.answer or "*(no answer)*"})
+    elif view.thinking is None:
+        out.append({"role": "assistant", "content": "…"})
+    return out
+
+
+def _alert(message: str) -> Any:
+    """The message box: shown with ``message``, hidden when it is empty."""
+    return gr.Markdown(value=message, visible=bool(message))
+
+
+def skip_all(n: int) -> tuple:
+    """``n`` "leave this output unchanged" updates."""
+    return tuple(gr.skip() for _ in range(n))
+
+
+def _new_state() -> dict[str, Any]:
+    return {"key": None, "session": ChatSession(), "display": []}
+
+
+def make_respond(host: ModelHost, max_video_seconds: float | None):
+    """The chat handler bound to ``host``: a generator yielding ``(chatbot, state, alert, gallery, summary,
+    question)`` updates while the answer streams."""
+    def respond(
+        files: Any,
+        question: str,
+        state: dict[str, Any] | None,
+        fps: float,
+        max_frames: float,
+        token_budget: float,
+        slow_fast: bool,
+        similarity: float,
+        mode: str,
+        greedy: bool,
+        temperature: float,
+        top_p: float,
+        top_k: float,
+        max_new_tokens: float,
+        repetition_penalty: float,
+    ) -> Iterator[tuple]:
+        state = state or _new_state()
+        skip = gr.skip()
+        question = (question or "").strip()
+
+        def fail(message: str, keep_question: bool = True) -> tuple:
+            return (state["display"], state, _alert(message), skip, skip, question if keep_question else "")
+
+        if not question:
+            yield fail("Type a question first.")
+            return
+        t_wait = time.perf_counter()
+        while not host.wait(0.5):
+            if host.state == "failed":
+                yield fail(f"The model could not be loaded: {host.error}")
+                return
+            if time.perf_counter() - t_wait > LOAD_WAIT_S:
+                yield fail("The model is still loading; try again in a moment.")
+                return
+            yield (state["display"], state,
+                   _alert("The model is still loading… your question will run once it is ready."), skip, skip, question)
+        try:
+            paths = _files_list(files)
+            key = tuple(paths)
+            if key != state["key"]:
+                # New media, new conversation: earlier turns were about other pictures.
+                state = {"key": key, "session": ChatSession(media=check_media(paths, max_video_seconds)),
+                         "display": []}
+            video = VideoSettings(
+                fps=float(fps),
+                max_frames=int(max_frames),
+                token_budget=int(token_budget),
+                slow_fast=bool(slow_fast),
+                min_frame_similarity=float(similarity),
+            )
+            sampling = SamplingSettings(
+                max_new_tokens=int(max_new_tokens),
+                greedy=bool(greedy),
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                repetition_penalty=float(repetition_penalty),
+            )
+            sampling.kwargs()
+            session: ChatSession = state["session"]
+            batch = host.processor(session.messages(question, video), mode=mode if mode in MODES else None)
+            frames = seen_frames(batch, host.processor)
+            summary = token_summary(batch, frames)
+            gallery = [(f.image, f.caption()) for f in frames]
+            display = state["display"]
+            yield (display + _turn_messages(question, "", False), state, _alert(""), gallery,
+                   _summary_markdown(summary), "")
+            text, stats = "", {"tokens": 0}
+            t0 = time.perf_counter()
+            first = None
+            for piece in stream_reply(host.model, host.processor, batch, sampling, stats):
+                first = first if first is not None else time.perf_counter() - t0
+                text += piece
+                yield (display + _turn_messages(question, text, False), state, skip, skip, skip, skip)
+            gen = {"tokens": stats["tokens"], "seconds": time.perf_counter() - t0, "first": first or 0.0}
+            parsed = host.processor.parse_response(text)
+            session.turns.append((question, parsed.answer))
+            state["display"] = display + _turn_messages(question, text, True)
+            yield (state["display"], state, _alert(""), gallery, _summary_markdown(summary, gen), "")
+        except KeyeError as err:
+            yield fail(f"**Cannot answer:** {err}")
+        except Exception as err:  # the page must get a message and the server must keep serving
+            log.exception("demo request failed")
+            yield fail(f"**Internal error:** {err.__class__.__name__}: {err}")
+
+    return respond
+
+
+def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples: list[dict] | None = None):
+    """Build the Gradio Blocks page around ``host`` (which may still be loading).
+
+    ``examples`` rows ``{"video", "question"}`` (default: :func:`keye.demo.examples.load_examples`).
+    The chat endpoint is exposed to API clients as ``/respond``.
+    """
+    if examples is None:
+        examples = load_examples()
+    settings_defaults = VideoSettings()
+    sampling_defaults = SamplingSettings(greedy=True)
+    with gr.Blocks(title=TITLE, analytics_enabled=False) as app:
+        state = gr.State(_new_state())
+        with gr.Row(elem_classes="keye-header"):
+            gr.Markdown(
+                f"# {TITLE}\nAsk a Keye-VL model about a video or a few images. The frames it samples, "
+                "their slow/fast split and token costs appear under the chat."
+            )
+        status = gr.Markdown(host.describe(), elem_classes="keye-status")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=2, min_width=320):
+                files = gr.File(
+                    label="Video or images",
+                    file_count="multiple",
+                    type="filepath",
+                    height=140,
+                )
+                with gr.Accordion("Video sampling", open=True):
+                    fps = gr.Slider(0.5, 8.0, value=settings_defaults.fps, step=0.5, label="Frames per second")
+                    max_frames = gr.Slider(2, 256, value=settings_defaults.max_frames, step=1, label="Max frames")
+                    budget = gr.Slider(
+                        256, 65536, value=settings_defaults.token_budget, step=256, label="Visual token budget"
+                    )
+                    with gr.Row():
+                        slow_fast = gr.Checkbox(value=True, label="Slow-fast encoding", min_width=120)
+                        similarity = gr.Slider(
+                            0.5, 1.0, value=settings_defaults.min_frame_similarity, step=0.01,
+                            label="Slow/fast similarity threshold", min_width=160,
+                        )
+                with gr.Accordion("Generation", open=False):
+                    mode = gr.Radio(list(MODES), value="auto", label="Thinking mode")
+                    greedy = gr.Checkbox(value=True, label="Greedy decoding (ignore the sampling settings)")
+                    with gr.Row():
+                        temperature = gr.Slider(0.05, 2.0, value=sampling_defaults.temperature, step=0.05,
+                                                label="Temperature")
+                        top_p = gr.Slider(0.05, 1.0, value=sampling_defaults.top_p, step=0.05, label="Top-p")
+                    with gr.Row():
+                        top_k = gr.Slider(0, 200, value=sampling_defaults.top_k, step=1, label="Top-k (0 = off)")
+                        repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty")
+                    max_new = gr.Slider(16, 4096, value=sampling_defaults.max_new_tokens, step=16,
+                                        label="Max new tokens")
+            with gr.Column(scale=3, min_width=420):
+                chatbot = gr.Chatbot(label="Conversation", height=420, buttons=["copy"])
+                alert = gr.Markdown("", label="Message", show_label=False, elem_classes="keye-alert", visible=False)
+                with gr.Row():
+                    question = gr.Textbox(
+                        placeholder="Ask about the video… e.g. Which way does the red circle move?",
+                        label="Question", show_label=False, scale=5, lines=1, max_lines=6, autofocus=True,
+                    )
+                    send = gr.Button("Ask", variant="primary", scale=1, min_width=80)
+                    clear = gr.Button("New chat", scale=1, min_width=80)
+        with gr.Row():
+            gallery = gr.Gallery(
+                label="What the model saw (timestamp · slow/fast · tokens)",
+                columns=6, height=300, object_fit="contain", allow_preview=True,
+            )
+        summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
+        if examples:
+            gr.Examples(
+                examples=[[[e["video"]], e["question"]] for e in examples],
+                inputs=[files, question],
+                label="Examples: held-out clips of the synthetic video-QA set",
+                cache_examples=False,
+            )
+
+        inputs = [files, question, state, fps, max_frames, budget, slow_fast, similarity, mode, greedy,
+                  temperature, top_p, top_k, max_new, repetition]
+        outputs = [chatbot, state, alert, gallery, summary, question]
+        respond = make_respond(host, max_video_seconds)
+        send.click(respond, inputs, outputs, api_name="respond")
+        question.submit(respond, inputs, outputs, api_name=False)
+
+        def reset() -> tuple:
+            return [], _new_state(), _alert(""), None, ""
+
+        clear.click(reset, None, [chatbot, state, alert, gallery, summary], api_name="reset")
+        # User actions only (not .change): a deep link fills the files while its question is already running.
+        for event in (files.upload, files.clear, files.delete):
+            event(reset, None, [chatbot, state, alert, gallery, summary], api_name=False)
+
+        # Deep links: ?example=N fills in bundled example N, &ask=1 also asks its question right away
+        # (shareable links, and how the README screenshot is taken by a headless browser).
+        autorun = gr.State(False)
+
+        def from_url(request: gr.Request) -> tuple:
+            params = dict(request.query_params) if request is not None else {}
+            try:
+                n = int(params.get("example", ""))
+            except ValueError:
+                return skip_all(3)
+            if not 0 <= n < len(examples or []):
+                return skip_all(3)
+            ask = params.get("ask", "0").lower() in ("1", "true", "yes")
+            return [examples[n]["video"]], examples[n]["question"], ask
+
+        def respond_if_asked(*args: Any) -> Iterator[tuple]:
+            if not args[-1]:
+                yield skip_all(len(outputs))
+                return
+            yield from respond(*args[:-1])
+
+        app.load(from_url, None, [files, question, autorun], api_name=False).then(
+            respond_if_asked, [*inputs, autorun], outputs, api_name=False
+        )
+
+        timer = gr.Timer(1.0, active=host.state in ("idle", "loading"))
+
+        def poll() -> tuple:
+            return host.describe(), gr.Timer(active=host.state in ("idle", "loading"))
+
+        timer.tick(poll, None, [status, timer], api_name=False, show_progress="hidden")
+        app.load(poll, None, [status, timer], api_name=False, show_progress="hidden")
+    return app
+
+
+def serve(app: Any, host: str = "127.0.0.1", port: int = 7860, share: bool = False, queue_size: int = 32,
+          block: bool = True) -> Any:
+    """Queue (one generation at a time, ``queue_size`` waiting) and launch ``app``.
+
+    ``block=False`` returns right after the server is up (tests); call ``app.close()`` to stop it.
+    """
+    app.queue(default_concurrency_limit=1, max_size=queue_size)
+    return app.launch(
+        server_name=host,
+        server_port=port,
+        share=share,
+        prevent_thread_lock=not block,
+        quiet=not block,
+        show_error=True,
+        ssr_mode=False,
+        theme=_theme(),
+        css=CSS,
+        footer_links=[],
+    )
+
+
+def launch(
+    model: str = "keye-tiny",
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    device: str | None = None,
+    max_video_seconds: float | None = 600.0,
+    queue_size: int = 32,
+) -> None:
+    """Start the demo (``keye demo``): begin loading ``model`` in the background and serve the page
+    until interrupted."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_transformers()
+    model_host = ModelHost(model, device=device).start()
+    app = build_app(model_host, max_video_seconds)
+    print(f"keye demo: http://{host}:{port} (model {model}, loading in the background)", flush=True)
+    serve(app, host, port, share, queue_size, block=True)

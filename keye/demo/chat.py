@@ -1,0 +1,186 @@
+"""``keye chat``: ask a checkpoint about videos / images from the terminal, the answer streamed as it is
+generated. With a question: one answer, then exit. Without one: an interactive multi-turn chat about the
+same media (``/reset`` forgets earlier turns, ``/exit`` or Ctrl-D quits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, TextIO
+
+import torch
+
+from keye.demo.engine import ModelHost, quiet_transformers
+from keye.demo.session import (
+    MODES,
+    ChatSession,
+    SamplingSettings,
+    VideoSettings,
+    check_media,
+    split_partial,
+    stream_reply,
+)
+from keye.errors import KeyeError, KeyeInputError
+
+_DIM, _RESET = "\033[2m", "\033[0m"
+
+
+def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``keye chat`` on ``subparsers`` and return its parser."""
+    c = subparsers.add_parser(
+        "chat",
+        help="ask a Keye-VL checkpoint about videos / images (streamed; interactive without a question)",
+        description="Stream a Keye-VL answer to a question about videos and images. Without a question, "
+        "start an interactive multi-turn chat about the same media.",
+    )
+    c.add_argument("text", nargs="?", default=None, help="the question (omit for an interactive chat)")
+    c.add_argument("--model", default="keye-tiny", help="checkpoint directory, hub id or keye-tiny (default)")
+    c.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    c.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    c.add_argument("--mode", choices=list(MODES), default=None, help="thinking mode (default: the model's own)")
+    g = c.add_argument_group("video sampling")
+    g.add_argument("--fps", type=float, default=2.0, help="frames sampled per second (default 2)")
+    g.add_argument("--max-frames", type=int, default=None, help="cap on sampled frames")
+    g.add_argument("--token-budget", type=int, default=None, help="visual tokens per video (default 65536)")
+    g.add_argument("--no-slow-fast", action="store_true", help="encode every frame at full size (1.5)")
+    g.add_argument("--similarity", type=float, default=0.9, help="slow/fast similarity threshold (0-1)")
+    s = c.add_argument_group("decoding")
+    s.add_argument("--max-new-tokens", type=int, default=512)
+    s.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    s.add_argument("--temperature", type=float, default=0.7)
+    s.add_argument("--top-p", type=float, default=0.9)
+    s.add_argument("--top-k", type=int, default=50)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    c.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    c.add_argument("--max-video-seconds", type=float, default=None, help="refuse longer videos")
+    c.add_argument("--json", action="store_true", help="print the parsed reply (think/answer/boxed) as JSON")
+    c.set_defaults(func=run_chat)
+    return c
+
+
+def _settings(args: argparse.Namespace) -> tuple[VideoSettings, SamplingSettings]:
+    video = VideoSettings(
+        fps=args.fps,
+        max_frames=args.max_frames,
+        token_budget=args.token_budget,
+        slow_fast=not args.no_slow_fast,
+        min_frame_similarity=args.similarity,
+    )
+    sampling = SamplingSettings(
+        max_new_tokens=args.max_new_tokens,
+        greedy=not args.sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+    )
+    sampling.kwargs()  # range checks before the (slow) model load
+    return video, sampling
+
+
+class _Printer:
+    """Writes a stream of partial replies: thinking dimmed (on a terminal) under a header, then the answer."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.tty = out.isatty()
+        self.think_shown = 0
+        self.answer_shown = 0
+        self.in_think = False
+
+    def update(self, text: str) -> None:
+        view = split_partial(text)
+        if view.thinking is not None and len(view.thinking) > self.think_shown:
+            if not self.in_think and self.think_shown == 0:
+                self.out.write((_DIM if self.tty else "") + "[thinking] ")
+                self.in_think = True
+            self.out.write(view.thinking[self.think_shown :])
+            self.think_shown = len(view.thinking)
+        if view.answer and len(view.answer) > self.answer_shown:
+            if self.in_think:
+                self.out.write((_RESET if self.tty else "") + "\n\n")
+                self.in_think = False
+            self.out.write(view.answer[self.answer_shown :])
+            self.answer_shown = len(view.answer)
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.in_think and self.tty:
+            self.out.write(_RESET)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _ask(host: ModelHost, session: ChatSession, question: str, args: argparse.Namespace, quiet: bool) -> str:
+    video, sampling = _settings(args)
+    batch = host.processor(session.messages(question, video), mode=args.mode)
+    printer = None if quiet else _Printer(sys.stdout)
+    text = ""
+    for piece in stream_reply(host.model, host.processor, batch, sampling):
+        text += piece
+        if printer is not None:
+            printer.update(text)
+    if printer is not None:
+        printer.finish()
+    parsed = host.processor.parse_response(text)
+    session.turns.append((question, parsed.answer))
+    if quiet:
+        print(json.dumps(vars(parsed), indent=1, ensure_ascii=False))
+    return text
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Entry point of ``keye chat``; returns the exit code. Errors are :class:`keye.errors.KeyeError`
+    (printed as one line with exit code 1 by ``keye.cli.main``)."""
+    _settings(args)
+    media = check_media([*args.video, *args.image], args.max_video_seconds)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    quiet_transformers()
+    host = ModelHost(args.model, device=args.device).load_now()
+    session = ChatSession(media=media)
+    if args.text is not None:
+        _ask(host, session, args.text, args, quiet=args.json)
+        return 0
+    print(f"keye chat · {host.describe().replace('**', '').replace('`', '')}")
+    print("Ask about the media; /reset forgets earlier turns, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            question = input("\nyou> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if question in ("/exit", "/quit"):
+            return 0
+        if question == "/reset":
+            session.turns.clear()
+            print("(conversation cleared)")
+            continue
+        if not question:
+            continue
+        print("keye> ", end="", flush=True)
+        try:
+            _ask(host, session, question, args, quiet=args.json)
+        except KeyeInputError as err:
+            # In an interactive chat a bad setting or question must not end the session.
+            print(f"\nkeye: error: {err}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m keye.demo.chat ...``: the same command as ``keye chat``; a :class:`KeyeError` is printed
+    as one line (``keye chat: error: ...``) with exit code 1."""
+    parser = argparse.ArgumentParser(prog="keye")
+    add_chat_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except KeyeError as err:
+        print(f"keye chat: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``keye demo`` (the Gradio video Q&A app) and ``keye chat`` (the same, in the terminal)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from keye.demo.chat import add_chat_parser
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register ``keye demo`` and, unless another area already did, ``keye chat``."""
+    d = subparsers.add_parser(
+        "demo",
+        help="start the Gradio video Q&A demo (default model: the embedded keye-tiny)",
+        description="Serve a web page to upload a video or images, ask questions and watch the answer stream, "
+        "with the sampled frames, their slow/fast types and token counts.",
+    )
+    d.add_argument("--model", default="keye-tiny", help="checkpoint directory, hub id or keye-tiny (default)")
+    d.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
+    d.add_argument("--port", type=int, default=7860)
+    d.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    d.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    d.add_argument("--max-video-seconds", type=float, default=600.0, help="refuse longer uploads")
+    d.add_argument("--queue-size", type=int, default=32, help="requests that may wait in the queue")
+    d.set_defaults(func=_demo)
+    # ``keye chat`` lives here; an older one-shot version may still be registered by the processing area,
+    # and argparse refuses a second parser of the same name.
+    if "chat" not in subparsers.choices:
+        add_chat_parser(subparsers)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from keye.demo.app import launch
+
+    launch(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        share=args.share,
+        device=args.device,
+        max_video_seconds=args.max_video_seconds,
+        queue_size=args.queue_size,
+    )
+    return 0

@@ -1,0 +1,69 @@
+"""The demo's example clips: a few held-out samples of the synthetic video-QA set (keye.data.synth).
+
+They are committed under ``demo/examples/`` in the repository (written by ``demo/make_examples.py``);
+an install without that folder renders them once into ``~/.cache/keye/demo-examples``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from keye.errors import KeyeConfigError
+
+# One clip per question type, from the test split (never trained on), seed 0 as the shipped set.
+EXAMPLE_TYPES = ("direction", "color_change", "order")
+MANIFEST = "examples.json"
+REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "demo" / "examples"
+
+
+def write_examples(out_dir: str | Path, types: tuple[str, ...] = EXAMPLE_TYPES, seed: int = 0) -> list[dict[str, Any]]:
+    """Render one test-split clip per question type into ``out_dir`` as ``<type>.mp4`` and write
+    ``examples.json`` (``[{"video", "question", "answer", "question_type"}]``, video names relative).
+
+    Scans test indices in order and keeps the first video sample of each type, so the result is
+    deterministic. Raises :class:`KeyeConfigError` if a type is not found in the first 400 samples.
+    """
+    from keye.data.synth import make_sample
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    found: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="keye_examples_") as tmp:
+        for index in range(400):
+            if len(found) == len(types):
+                break
+            row = make_sample(tmp, "test", index, seed, 0.1)
+            qtype = row["question_type"]
+            if qtype not in types or qtype in found or row["meta"]["modality"] != "video":
+                continue
+            media = row["messages"][0]["content"][0]["video"]
+            shutil.copyfile(Path(tmp) / media, out / f"{qtype}.mp4")
+            question = row["messages"][0]["content"][1]["text"]
+            found[qtype] = {"video": f"{qtype}.mp4", "question": question, "answer": row["answer"],
+                            "question_type": qtype, "id": row["id"]}
+    missing = [t for t in types if t not in found]
+    if missing:
+        raise KeyeConfigError(f"no test-split video sample of type(s) {missing} in the first 400 indices")
+    rows = [found[t] for t in types]
+    (out / MANIFEST).write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def load_examples(directory: str | Path | None = None) -> list[dict[str, Any]]:
+    """The example rows with absolute ``video`` paths: from ``directory`` (default: the repository's
+    ``demo/examples``), else rendered once into the user cache."""
+    candidates = [Path(directory)] if directory is not None else [REPO_EXAMPLES]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keye" / "demo-examples"
+    for d in [*candidates, cache]:
+        if (d / MANIFEST).is_file():
+            rows = json.loads((d / MANIFEST).read_text())
+            if all((d / r["video"]).is_file() for r in rows):
+                return [{**r, "video": str(d / r["video"])} for r in rows]
+    write_examples(cache)
+    rows = json.loads((cache / MANIFEST).read_text())
+    return [{**r, "video": str(cache / r["video"])} for r in rows]
