@@ -338,6 +338,9 @@ class ImageProcessorConfig:
     do_resize: bool = True
     do_rescale: bool = True
     do_normalize: bool = True
+    # Checkpoint-level defaults of the per-item video options (fps, max_frames, min/max/total_pixels,
+    # floor_pixels, ...); an item's own keys win. Empty for the official checkpoints.
+    video_defaults: dict[str, Any] = field(default_factory=dict)
     variant: str = PREVIEW
 
     @property
@@ -376,6 +379,8 @@ class ImageProcessorConfig:
         """JSON-ready dict (what ``save_pretrained`` writes, plus ``processor_class``)."""
         d = asdict(self)
         d.pop("variant")
+        if not d["video_defaults"]:
+            d.pop("video_defaults")
         return d
 
 

@@ -333,7 +333,7 @@ class KeyeProcessor:
     ) -> tuple[torch.Tensor, list[list[int]], VideoMeta, list]:
         """Returns (pixel rows, grid rows, meta, layout); ``layout`` lists (frame_type, tokens, timestamp)."""
         where = f"video {index} (row {row})"
-        opts = VideoOptions.from_item(content, item=where)
+        opts = self.video_options(content, item=where)
         video = fetch_video(content.get("video"), opts, self.variant, backend=self.video_backend, item=where)
         common = dict(
             row=row,
@@ -360,6 +360,12 @@ class KeyeProcessor:
             return pv, [grid], meta, [("slow", per_frame * n, None)]
         return self._slow_fast_video(video, opts, where, common)
 
+    def video_options(self, content: dict[str, Any], item: Any = None) -> VideoOptions:
+        """The validated options of one video item: the checkpoint's ``video_defaults``
+        (preprocessor_config.json) overridden by the item's own keys."""
+        defaults = self.image_processor.config.video_defaults
+        return VideoOptions.from_item({**defaults, **content} if defaults else content, item=item)
+
     @property
     def _merge2(self) -> int:
         return self.image_processor.config.merge_size**2
@@ -383,6 +389,7 @@ class KeyeProcessor:
             min_pixels=opts.min_pixels,
             max_pixels=opts.max_pixels,
             total_pixels=opts.total_pixels,
+            floor_pixels=opts.floor_pixels,
             item=where,
         )
         if opts.resized_height is not None:

@@ -180,6 +180,7 @@ def slowfast_sizes(
     max_pixels: float | None = None,
     total_pixels: float | None = None,
     fast_ratio: float = FAST_TOKEN_RATIO,
+    floor_pixels: float | None = None,
     item: Any = None,
 ) -> SlowFastSizes:
     """Slow/fast resolutions for a ``height x width`` video with ``n_slow`` + ``n_fast`` frames (§10.4).
@@ -189,10 +190,13 @@ def slowfast_sizes(
     ``smart_resize`` for both sizes. One deliberate difference: the reference keeps the *first T that
     exceeds* the budget; we keep the last T that fits, so the video's tokens never exceed
     ``total_pixels/784``. The spec's worked examples (§10.4) give the same sizes either way.
-    Defaults: min 37,632, max 602,112, total 51,380,224 pixels. Raises :class:`KeyeInputError` when even
-    the minimum size per frame exceeds the total budget.
+    Defaults: min 37,632, max 602,112, total 51,380,224 pixels. ``floor_pixels`` is the smallest frame
+    size any option may ask for (the reference's fixed 37,632 = 48 tokens; a checkpoint may set its own,
+    e.g. a tiny CPU model). Raises :class:`KeyeInputError` when even the minimum size per frame exceeds
+    the total budget.
     """
-    lo_px = max(min_pixels or VIDEO_MIN_PIXELS, VIDEO_MIN_PIXELS)
+    floor = floor_pixels or VIDEO_MIN_PIXELS
+    lo_px = max(min_pixels or floor, floor)
     hi_px = max_pixels or VIDEO_MAX_PIXELS
     total = total_pixels or VIDEO_TOTAL_PIXELS
     if n_slow < 1 or n_fast < 0:
@@ -230,7 +234,10 @@ def slowfast_sizes(
     )
 
 
-def max_frames_for_budget(min_pixels: float | None = None, total_pixels: float | None = None) -> int:
+def max_frames_for_budget(
+    min_pixels: float | None = None, total_pixels: float | None = None, floor_pixels: float | None = None
+) -> int:
     """Frame cap of the 1.5 sampler: ``int(total_pixels / min_pixels)`` (1365 by default)."""
-    lo = max(min_pixels or VIDEO_MIN_PIXELS, VIDEO_MIN_PIXELS)
+    floor = floor_pixels or VIDEO_MIN_PIXELS
+    lo = max(min_pixels or floor, floor)
     return int((total_pixels or VIDEO_TOTAL_PIXELS) / lo)

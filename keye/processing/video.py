@@ -85,6 +85,9 @@ class VideoOptions:
     resized_width: int | None = None
     slow_fast: bool = True
     min_frame_similarity: float = MIN_FRAME_SIMILARITY
+    # Smallest 1.5 frame size in pixels (the reference's 37,632 when None). Checkpoints set it through
+    # ``video_defaults`` in preprocessor_config.json (keye-tiny uses small frames to run on a CPU).
+    floor_pixels: int | None = None
 
     @classmethod
     def from_item(cls, content: dict[str, Any] | None, item: Any = None) -> VideoOptions:
@@ -109,6 +112,7 @@ class VideoOptions:
             "min_pixels",
             "max_pixels",
             "total_pixels",
+            "floor_pixels",
         ):
             v = getattr(opts, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
@@ -269,7 +273,7 @@ def _v15_nframes(
         n = min(int(opts.nframes), total)
     else:
         fps = min(opts.fps or FPS, video_fps)
-        max_frames = max_frames_for_budget(opts.min_pixels, opts.total_pixels)
+        max_frames = max_frames_for_budget(opts.min_pixels, opts.total_pixels, opts.floor_pixels)
         if opts.max_frames is not None:
             max_frames = min(max_frames, int(opts.max_frames))
         n = min(int(seconds * fps), max_frames, total)
@@ -622,7 +626,7 @@ def _frames_input(src: Any, opts: VideoOptions, variant: str, item: Any) -> Deco
                 opts.max_pixels or FETCH_MAX_PIXELS[PREVIEW],
             )
         else:
-            lo, hi = opts.min_pixels or VIDEO_MIN_PIXELS, opts.max_pixels or VIDEO_MAX_PIXELS
+            lo, hi = opts.min_pixels or opts.floor_pixels or VIDEO_MIN_PIXELS, opts.max_pixels or VIDEO_MAX_PIXELS
         frames = [
             np.asarray(
                 fetch_image(
