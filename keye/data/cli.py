@@ -22,7 +22,7 @@ def add_commands(subparsers: Any) -> None:
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.set_defaults(func=lambda a: (data.print_help(), 2)[1])
 
-    p = sub.add_parser("check", help="list every bad row of a manifest and summarise it")
+    p = sub.add_parser("check", help="list every bad row of a manifest and summarise it (exit 1 if any is bad)")
     p.add_argument("manifest")
     p.add_argument("--root", default=None, help="directory media paths are relative to (default: manifest dir)")
     p.add_argument("--processor", default=None, help="processor/checkpoint dir for exact token counts")
