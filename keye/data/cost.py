@@ -253,9 +253,10 @@ class CostModel:
 
     def video_tokens(self, ref: MediaRef) -> tuple[int, list[int]]:
         """(LLM tokens incl. 1.5 frame markers/timestamps, attention segments in patches) of one video."""
-        from keye.processing.video import VideoOptions, preview_video_size, sample_frames
+        from keye.processing.video import preview_video_size, sample_frames
 
-        opts = VideoOptions.from_item(ref.options, item=ref.path)
+        # The processor's own merge of checkpoint video_defaults and the item's options.
+        opts = self.processor.video_options(ref.options, item=ref.path)
         ip = self.processor.image_processor
         patch, merge = ip.config.patch_size, ip.config.merge_size
         if self.variant == "preview":
@@ -309,7 +310,8 @@ class CostModel:
         n_fast = int((types == FAST).sum())
         sizes = slowfast_sizes(
             len(types) - n_fast, n_fast, h, w,
-            min_pixels=opts.min_pixels, max_pixels=opts.max_pixels, total_pixels=opts.total_pixels, item=ref.path,
+            min_pixels=opts.min_pixels, max_pixels=opts.max_pixels, total_pixels=opts.total_pixels,
+            floor_pixels=opts.floor_pixels, item=ref.path,
         )
         if opts.resized_height is not None:
             sizes = sizes.with_slow_size(opts.resized_height, opts.resized_width)

@@ -84,3 +84,20 @@ def test_flops_formulas_by_hand():
     # Attention grows quadratically: one 2N segment costs more than two N segments.
     big = ModelDims()
     assert vision_flops([2048], big) > vision_flops([1024, 1024], big)
+
+
+def test_tokens_exact_with_checkpoint_video_defaults(synth_dir: Path, cache: ProbeCache, tmp_path):
+    """A checkpoint's video_defaults (small-frame floor, frame cap) reach the estimate exactly."""
+    import json
+
+    from keye.processing.processor import KeyeProcessor
+    from keye.testing.processor import make_tiny_processor_dir
+
+    d = make_tiny_processor_dir(tmp_path / "proc", "1.5")
+    pre = json.loads((d / "preprocessor_config.json").read_text())
+    pre["video_defaults"] = {"floor_pixels": 3136, "max_pixels": 25088, "max_frames": 6}
+    (d / "preprocessor_config.json").write_text(json.dumps(pre))
+    proc = KeyeProcessor.from_pretrained(d)
+    man = read_manifest(synth_dir / "train.jsonl")
+    man.samples = [s for s in man.samples if s.modality == "video"][:6]
+    _check_all(proc, man, cache)
