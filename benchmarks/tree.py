@@ -45,7 +45,12 @@ def make_model(variant: str):
         max_position_embeddings=40960,
     )
     vision = VisionConfig(
-        hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=3, image_size=112, patch_size=14
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        image_size=112,
+        patch_size=14,
     )
     torch.manual_seed(0)
     model = KeyeVL(tiny_config(variant, text=text, vision=vision))
@@ -58,7 +63,9 @@ def make_group(variant: str, prompt_len: int, group: int, response_len: int, see
     per_frame = 100
     frames = (prompt_len - 48) // per_frame
     head = [480, 5, 6, 7, 489]
-    tail = [490] + torch.randint(0, 480, (prompt_len - len(head) - 1 - frames * per_frame,), generator=gen).tolist()
+    tail = [490] + torch.randint(
+        0, 480, (prompt_len - len(head) - 1 - frames * per_frame,), generator=gen
+    ).tolist()
     prompt = head + [493] * (frames * per_frame) + tail
     assert len(prompt) == prompt_len
     vis = VisionInputs(
@@ -100,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--response-len", type=int, default=128)
-    parser.add_argument("--full", action="store_true", help="5 repeats and also the reference (dense mask) kernel")
+    parser.add_argument(
+        "--full", action="store_true", help="5 repeats and also the reference (dense mask) kernel"
+    )
     args = parser.parse_args(argv)
     repeats = max(args.repeats, 5) if args.full else args.repeats
 
@@ -115,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         f"group: prompt {args.prompt_len} tokens (video {vis.video_grid_thw.tolist()}), "
         f"G={args.group} x {args.response_len} response tokens"
     )
-    print(f"tokens per update: unshared {unshared_tokens}, tree {tree.num_tokens} ({unshared_tokens / tree.num_tokens:.2f}x fewer); "
-          f"building the tree took {build_s * 1e3:.0f} ms (once per group, not in the timings)")
+    print(
+        f"tokens per update: unshared {unshared_tokens}, tree {tree.num_tokens} ({unshared_tokens / tree.num_tokens:.2f}x fewer); "
+        f"building the tree took {build_s * 1e3:.0f} ms (once per group, not in the timings)"
+    )
 
     gen = torch.Generator().manual_seed(1)
     adv = torch.randn(args.group, generator=gen)
@@ -139,16 +150,22 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(dt)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     for name, ts in times.items():
-        print(f"{name:>24}: median {medians[name]:.3f} s over {repeats} runs ({', '.join(f'{t:.2f}' for t in ts)})")
+        print(
+            f"{name:>24}: median {medians[name]:.3f} s over {repeats} runs ({', '.join(f'{t:.2f}' for t in ts)})"
+        )
     g_ref = grads["unshared"]
     for name, g in grads.items():
         if name == "unshared":
             continue
         rel = float((g - g_ref).abs().max() / g_ref.abs().max())
-        print(f"{name:>24}: max gradient difference vs unshared (lm head + patch embedding) {rel:.1e} relative")
+        print(
+            f"{name:>24}: max gradient difference vs unshared (lm head + patch embedding) {rel:.1e} relative"
+        )
         if rel > 1e-4:
             raise SystemExit(f"{name} gradients differ from the unshared computation (relative {rel:.1e})")
-    print(f"speedup tree vs unshared (forward+backward, one group): {medians['unshared'] / medians['tree']:.2f}x")
+    print(
+        f"speedup tree vs unshared (forward+backward, one group): {medians['unshared'] / medians['tree']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

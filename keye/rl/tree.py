@@ -208,7 +208,9 @@ def _config_of(model_or_config: Any) -> Any:
 def _as_list(x: Any, what: str, item: int) -> list[int]:
     if torch.is_tensor(x):
         if x.dim() != 1:
-            raise KeyeInputError(f"{what} must be a 1-D sequence of token ids, got shape {list(x.shape)}", item=item)
+            raise KeyeInputError(
+                f"{what} must be a 1-D sequence of token ids, got shape {list(x.shape)}", item=item
+            )
         return [int(v) for v in x.tolist()]
     try:
         return [int(v) for v in x]
@@ -223,7 +225,11 @@ def _vision_items(cfg: Any, ids: np.ndarray, vision: VisionInputs) -> list[dict[
     (preview videos) - 1.5 videos are split into per-frame items, as the model's rope does.
     """
     m = cfg.vision.spatial_merge_size
-    images = [] if vision.image_grid_thw is None else [tuple(int(v) for v in r) for r in vision.image_grid_thw.tolist()]
+    images = (
+        []
+        if vision.image_grid_thw is None
+        else [tuple(int(v) for v in r) for r in vision.image_grid_thw.tolist()]
+    )
     videos: list[tuple[int, int, int]] = []
     seconds: list[float | None] = []
     if vision.video_grid_thw is not None:
@@ -243,7 +249,10 @@ def _vision_items(cfg: Any, ids: np.ndarray, vision: VisionInputs) -> list[dict[
                         f"second_per_grid_ts has {len(seconds)} entries but video_grid_thw has {len(rows)} videos"
                     )
     items: list[dict[str, Any]] = []
-    queues = {cfg.image_token_id: ("image", images, [None] * len(images)), cfg.video_token_id: ("video", videos, seconds)}
+    queues = {
+        cfg.image_token_id: ("image", images, [None] * len(images)),
+        cfg.video_token_id: ("video", videos, seconds),
+    }
     used = {cfg.image_token_id: 0, cfg.video_token_id: 0}
     vis = np.flatnonzero((ids == cfg.image_token_id) | (ids == cfg.video_token_id))
     k, covered = 0, 0
@@ -255,17 +264,25 @@ def _vision_items(cfg: Any, ids: np.ndarray, vision: VisionInputs) -> list[dict[
         tok = int(ids[j])
         kind, grids, secs = queues[tok]
         if used[tok] >= len(grids):
-            raise KeyeInputError(f"the tree has more {kind} placeholder blocks than {kind} grid rows ({len(grids)})")
+            raise KeyeInputError(
+                f"the tree has more {kind} placeholder blocks than {kind} grid rows ({len(grids)})"
+            )
         t, h, w = grids[used[tok]]
         count = t * (h // m) * (w // m)
         if j + count > len(ids) or not np.all(ids[j : j + count] == tok):
-            raise KeyeInputError(f"{kind} placeholder run at serialised token {j} is shorter than its grid {[t, h, w]}")
-        items.append({"kind": kind, "start": j, "count": count, "grid": (t, h, w), "seconds": secs[used[tok]]})
+            raise KeyeInputError(
+                f"{kind} placeholder run at serialised token {j} is shorter than its grid {[t, h, w]}"
+            )
+        items.append(
+            {"kind": kind, "start": j, "count": count, "grid": (t, h, w), "seconds": secs[used[tok]]}
+        )
         used[tok] += 1
         covered = j + count
     for tok, (kind, grids, _) in queues.items():
         if used[tok] != len(grids):
-            raise KeyeInputError(f"{len(grids)} {kind} grid rows given but the tree has {used[tok]} {kind} blocks")
+            raise KeyeInputError(
+                f"{len(grids)} {kind} grid rows given but the tree has {used[tok]} {kind} blocks"
+            )
     return items
 
 
@@ -303,11 +320,15 @@ def build_tree(
     for b, (s, mk) in enumerate(zip(seqs, loss_masks)):
         mk = [bool(v) for v in (mk.tolist() if torch.is_tensor(mk) else mk)]
         if len(mk) != len(s):
-            raise KeyeInputError(f"loss mask has {len(mk)} entries but the sequence has {len(s)} tokens", item=b)
+            raise KeyeInputError(
+                f"loss mask has {len(mk)} entries but the sequence has {len(s)} tokens", item=b
+            )
         if not s:
             raise KeyeInputError("empty sequence", item=b)
         if mk[0]:
-            raise KeyeInputError("the first token of a sequence has no predictor and cannot be a loss token", item=b)
+            raise KeyeInputError(
+                "the first token of a sequence has no predictor and cannot be a loss token", item=b
+            )
         masks.append(mk)
 
     # Token-level trie; serialised order = creation order = first appearance (parents first).
@@ -374,7 +395,8 @@ def build_tree(
             video_grid_thw=torch.tensor([it["grid"] for it in vid], dtype=torch.long) if vid else None,
             second_per_grid_ts=(
                 torch.tensor([it["seconds"] for it in vid], dtype=torch.float32)
-                if vid and cfg.variant != "1.5" else None
+                if vid and cfg.variant != "1.5"
+                else None
             ),
         )
         p = p[:, 0].numpy()
@@ -382,7 +404,9 @@ def build_tree(
         prev = pos[:, idx]
         seen = prev[0] >= 0
         if not np.array_equal(prev[:, seen], p[:, seen]):
-            raise KeyeInputError("shared tokens got different positions in two sequences (vision items differ?)", item=b)
+            raise KeyeInputError(
+                "shared tokens got different positions in two sequences (vision items differ?)", item=b
+            )
         pos[:, idx] = p
 
     # Loss layout [B, T].
@@ -463,7 +487,9 @@ def concat_trees(trees: Sequence[TreeBatch]) -> TreeBatch:
     t_max = max(t.loss_mask.shape[1] for t in trees)
     offset = 0
     node_offset = 0
-    parts: dict[str, list[Any]] = {k: [] for k in ("parent", "start", "end", "nparent", "tnode", "tgt", "pred", "mask")}
+    parts: dict[str, list[Any]] = {
+        k: [] for k in ("parent", "start", "end", "nparent", "tnode", "tgt", "pred", "mask")
+    }
     paths: list[torch.Tensor] = []
     for t in trees:
         pad = t_max - t.loss_mask.shape[1]
@@ -481,12 +507,14 @@ def concat_trees(trees: Sequence[TreeBatch]) -> TreeBatch:
     seconds = None
     if any(t.vision.second_per_grid_ts is not None for t in trees):
         # Preview default of 1.0 s per temporal step for trees whose videos carry no timing.
-        seconds = torch.cat([
-            torch.as_tensor(t.vision.second_per_grid_ts, dtype=torch.float32).reshape(-1)
-            if t.vision.second_per_grid_ts is not None
-            else torch.ones(0 if t.vision.video_grid_thw is None else t.vision.video_grid_thw.shape[0])
-            for t in trees
-        ])
+        seconds = torch.cat(
+            [
+                torch.as_tensor(t.vision.second_per_grid_ts, dtype=torch.float32).reshape(-1)
+                if t.vision.second_per_grid_ts is not None
+                else torch.ones(0 if t.vision.video_grid_thw is None else t.vision.video_grid_thw.shape[0])
+                for t in trees
+            ]
+        )
     vision = VisionInputs(
         pixel_values=_cat_optional([t.vision.pixel_values for t in trees]),
         image_grid_thw=_cat_optional([t.vision.image_grid_thw for t in trees]),
@@ -514,7 +542,12 @@ def concat_trees(trees: Sequence[TreeBatch]) -> TreeBatch:
 
 # ------------------------------------------------------------------------------------ log-probs
 def _gather_logprobs(
-    model: Any, hidden: torch.Tensor, pred: torch.Tensor, target_ids: torch.Tensor, temperature: float, entropy: bool
+    model: Any,
+    hidden: torch.Tensor,
+    pred: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float,
+    entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target | hidden[pred]) with each distinct predicting position computed once.
 
@@ -608,10 +641,14 @@ def sequence_logprobs(
     if len(visions) != len(sequences):
         raise KeyeInputError(f"{len(sequences)} sequences but {len(visions)} vision inputs")
     seqs = [_as_list(s, "sequence", b) for b, s in enumerate(sequences)]
-    masks = [torch.as_tensor([bool(v) for v in (m.tolist() if torch.is_tensor(m) else m)]) for m in loss_masks]
+    masks = [
+        torch.as_tensor([bool(v) for v in (m.tolist() if torch.is_tensor(m) else m)]) for m in loss_masks
+    ]
     for b, (s, mk) in enumerate(zip(seqs, masks)):
         if mk.numel() != len(s):
-            raise KeyeInputError(f"loss mask has {mk.numel()} entries but the sequence has {len(s)} tokens", item=b)
+            raise KeyeInputError(
+                f"loss mask has {mk.numel()} entries but the sequence has {len(s)} tokens", item=b
+            )
         if len(s) and bool(mk[0]):
             raise KeyeInputError("the first token of a sequence cannot be a loss token", item=b)
     device = model.device
@@ -622,7 +659,9 @@ def sequence_logprobs(
         ids = torch.tensor([s], dtype=torch.long, device=device)
         out = model(ids, output_hidden_states=True, logits_to_keep=1, **vis.as_kwargs())
         tgt_pos = torch.nonzero(mk, as_tuple=False).reshape(-1).to(device)
-        logp, ent = _gather_logprobs(model, out.hidden_states[0], tgt_pos - 1, ids[0, tgt_pos], temperature, entropy)
+        logp, ent = _gather_logprobs(
+            model, out.hidden_states[0], tgt_pos - 1, ids[0, tgt_pos], temperature, entropy
+        )
         rows.append(F.pad(logp, (0, t_max - logp.numel())))
         if entropy:
             ent_rows.append(F.pad(ent, (0, t_max - ent.numel())))
@@ -652,4 +691,6 @@ def branch_logprobs(
     resp = [_as_list(r, "response", b) for b, r in enumerate(responses)]
     seqs = [prompt + r for r in resp]
     masks = [[False] * len(prompt) + [True] * len(r) for r in resp]
-    return sequence_logprobs(model, seqs, masks, [vision] * len(seqs), temperature=temperature, entropy=entropy)
+    return sequence_logprobs(
+        model, seqs, masks, [vision] * len(seqs), temperature=temperature, entropy=entropy
+    )

@@ -43,7 +43,9 @@ def reference_tree_attention(mask: torch.Tensor) -> Callable[..., torch.Tensor]:
         ``f(q, k, v, *, layer_idx, scale)`` with q [1, Hq, N, d], k/v [1, Hkv, N, d] -> [1, Hq, N, d].
     """
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int, scale: float) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int, scale: float
+    ) -> torch.Tensor:
         del layer_idx
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
@@ -133,7 +135,9 @@ class TreeAttention:
                 rows.append(torch.tensor([rpos[i] for i in d_idx], dtype=torch.long))
                 slot_ids.append(torch.full((len(d_idx),), depth[a], dtype=torch.long))
         self.rows = torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long, device=device)
-        self.slot_ids = torch.cat(slot_ids).to(device) if slot_ids else torch.zeros(0, dtype=torch.long, device=device)
+        self.slot_ids = (
+            torch.cat(slot_ids).to(device) if slot_ids else torch.zeros(0, dtype=torch.long, device=device)
+        )
 
     @staticmethod
     def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
@@ -144,10 +148,14 @@ class TreeAttention:
         """
         return _PartialAttention.apply(q, k, v, scale, mask)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int, scale: float) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int, scale: float
+    ) -> torch.Tensor:
         del layer_idx
         if q.shape[0] != 1 or q.shape[2] != self.n:
-            raise KeyeInputError(f"tree attention expects one row of {self.n} tokens, got q of shape {list(q.shape)}")
+            raise KeyeInputError(
+                f"tree attention expects one row of {self.n} tokens, got q of shape {list(q.shape)}"
+            )
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
         rep = hq // hkv
         q0, k0, v0 = q[0], k[0], v[0]  # [H, N, d]
@@ -165,7 +173,11 @@ class TreeAttention:
                 length = idx_all.shape[1]
                 step = max(1, self.max_block_elems // (hq * length * length))
                 for c in range(0, idx_all.shape[0], step):
-                    idx, valid, blocked = idx_all[c : c + step], valid_all[c : c + step], blocked_all[c : c + step]
+                    idx, valid, blocked = (
+                        idx_all[c : c + step],
+                        valid_all[c : c + step],
+                        blocked_all[c : c + step],
+                    )
                     g = idx.shape[0]
                     qb = q0[:, idx].view(hkv, rep, g, length, d).permute(2, 0, 1, 3, 4)
                     kb = k0[:, idx].permute(1, 0, 2, 3)

@@ -125,9 +125,12 @@ def test_group_tree_matches_unshared_with_clipped_ppo(models, variant, kind):
     assert bool(((ratio > 1 - EPS_LOW) & (ratio < 1 + EPS_HIGH) & mask_u).any())  # and some unclipped
 
     loss_u, g_u = _run_loss(
-        model, lambda: _ppo_token_loss(branch_logprobs(model, prompt, RESPONSES, vis)[0], old, ADVANTAGES, mask_u)
+        model,
+        lambda: _ppo_token_loss(branch_logprobs(model, prompt, RESPONSES, vis)[0], old, ADVANTAGES, mask_u),
     )
-    loss_t, g_t = _run_loss(model, lambda: _ppo_token_loss(tree_logprobs(model, tree)[0], old, ADVANTAGES, mask_t))
+    loss_t, g_t = _run_loss(
+        model, lambda: _ppo_token_loss(tree_logprobs(model, tree)[0], old, ADVANTAGES, mask_t)
+    )
     assert abs(loss_t - loss_u) <= 1e-5 * max(1.0, abs(loss_u))
     assert any(name.startswith("visual.") for name in g_t)  # gradients reach the vision tower
     _assert_grads_equal(g_t, g_u)
@@ -213,7 +216,9 @@ def test_two_turn_trie_matches_unshared_gspo(models, variant):
         return -((logp * mask).sum(1) / mask.sum(1) * adv).mean()
 
     for objective in (gspo, seq_mean_token_mean):
-        _, g_u = _run_loss(model, lambda f=objective: f(sequence_logprobs(model, seqs, masks, visions)[0], mask_u))
+        _, g_u = _run_loss(
+            model, lambda f=objective: f(sequence_logprobs(model, seqs, masks, visions)[0], mask_u)
+        )
         _, g_t = _run_loss(model, lambda f=objective: f(tree_logprobs(model, tree)[0], mask_t))
         _assert_grads_equal(g_t, g_u)
 
@@ -221,7 +226,11 @@ def test_two_turn_trie_matches_unshared_gspo(models, variant):
 def test_reference_and_efficient_kernels_agree_on_random_qkv(models):
     """Outputs and q/k/v gradients of both kernels, GQA (4 query heads on 2 kv heads)."""
     seqs, masks, vis, _ = _two_turn_trie()
-    seqs = seqs + [seqs[0][:3] + [77, 78, 79, 80], [1, 2, 3], [1, 2, 4, 5]]  # a short branch and a second root
+    seqs = seqs + [
+        seqs[0][:3] + [77, 78, 79, 80],
+        [1, 2, 3],
+        [1, 2, 4, 5],
+    ]  # a short branch and a second root
     masks = masks + [[False] * 7, [False] * 3, [False] * 4]
     tree = build_tree(models["preview"].config, seqs, masks, vis)
     gen = torch.Generator().manual_seed(0)
@@ -229,7 +238,11 @@ def test_reference_and_efficient_kernels_agree_on_random_qkv(models):
     q0, k0, v0 = (torch.randn(1, h, n, 16, generator=gen) for h in (4, 2, 2))
     outs = []
     # max_block_elems=200 forces query chunks of the cross blocks and one node per own block.
-    kernels = (reference_tree_attention(tree.dense_mask()), TreeAttention(tree), TreeAttention(tree, max_block_elems=200))
+    kernels = (
+        reference_tree_attention(tree.dense_mask()),
+        TreeAttention(tree),
+        TreeAttention(tree, max_block_elems=200),
+    )
     for kernel in kernels:
         q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
         out = kernel(q, k, v, layer_idx=0, scale=0.25)
@@ -259,7 +272,12 @@ def test_entropy_temperature_and_text_forest(models):
     """Text-only sequences with no common first token (two roots), entropy and temperature."""
     model = models["1.5"]
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 8, 9, 10], [1, 2, 6]]
-    masks = [[False, False, True, True, True], [False, True, True, True], [False, False, True, True], [False] * 3]
+    masks = [
+        [False, False, True, True, True],
+        [False, True, True, True],
+        [False, False, True, True],
+        [False] * 3,
+    ]
     tree = build_tree(model.config, seqs, masks)
     assert int((tree.node_parent < 0).sum()) == 2
     lt, mt, et = tree_logprobs(model, tree, entropy=True, temperature=0.7)
@@ -317,13 +335,18 @@ def test_concat_trees_is_a_forest_of_groups(models):
     model = models["preview"]
     (p1, v1), (p2, v2) = _prompt("image"), _prompt("video")
     r1, r2 = RESPONSES[:3], RESPONSES[3:]
-    forest = concat_trees([build_group_tree(model.config, p1, r1, v1), build_group_tree(model.config, p2, r2, v2)])
+    forest = concat_trees(
+        [build_group_tree(model.config, p1, r1, v1), build_group_tree(model.config, p2, r2, v2)]
+    )
     assert int((forest.node_parent < 0).sum()) == 2
     calls = []
     hook = model.visual.register_forward_hook(lambda *_: calls.append(1))
     try:
         with torch.no_grad():
-            model.embed(forest.input_ids, **{k: v for k, v in forest.vision.as_kwargs().items() if k != "second_per_grid_ts"})
+            model.embed(
+                forest.input_ids,
+                **{k: v for k, v in forest.vision.as_kwargs().items() if k != "second_per_grid_ts"},
+            )
         per_forward = len(calls)  # tower passes of one forward with an image and a video (1 or 2)
         calls.clear()
         logp, mask = tree_logprobs(model, forest)
