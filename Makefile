@@ -8,7 +8,7 @@ TORCH   := torch==2.14.1 torchvision==0.29.1
 EXTRAS  := test,video,train,data,demo,eval
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint bench clean
+.PHONY: install test test-fast lint bench clean demo
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/keye demo --model keye-tiny
 
 lint: install
 	$(BIN)/ruff check keye tests benchmarks training eval demo data

@@ -38,6 +38,7 @@ LOAD_WAIT_S = 900.0  # how long a question waits for a model that is still loadi
 
 CSS = """
 .keye-header h1 {margin-bottom: 0.1em}
+.keye-header p {margin-top: 0}
 .keye-status {font-size: 0.92em; opacity: 0.9}
 .keye-alert {border-left: 4px solid #d9534f; background: rgba(217, 83, 79, 0.08); padding: 0.4em 0.8em;
              border-radius: 4px}
@@ -220,32 +221,28 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
     sampling_defaults = SamplingSettings(greedy=True)
     with gr.Blocks(title=TITLE, analytics_enabled=False) as app:
         state = gr.State(_new_state())
-        with gr.Row(elem_classes="keye-header"):
-            gr.Markdown(
-                f"# {TITLE}\nAsk a Keye-VL model about a video or a few images. The frames it samples, "
-                "their slow/fast split and token costs appear under the chat."
-            )
+        gr.Markdown(
+            f"# {TITLE}\nAsk a Keye-VL model about a video or a few images. Below the chat: every frame it "
+            "sampled, as the model saw it, with its timestamp, slow/fast type and token cost.",
+            elem_classes="keye-header",
+        )
         status = gr.Markdown(host.describe(), elem_classes="keye-status")
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=320):
-                files = gr.File(
-                    label="Video or images",
-                    file_count="multiple",
-                    type="filepath",
-                    height=140,
-                )
+                files = gr.File(label="Video or images", file_count="multiple", type="filepath", height=120)
+                # Placeholder for the examples table, filled below once the question box exists.
+                examples_slot = gr.Column()
                 with gr.Accordion("Video sampling", open=True):
                     fps = gr.Slider(0.5, 8.0, value=settings_defaults.fps, step=0.5, label="Frames per second")
                     max_frames = gr.Slider(2, 256, value=settings_defaults.max_frames, step=1, label="Max frames")
                     budget = gr.Slider(
                         256, 65536, value=settings_defaults.token_budget, step=256, label="Visual token budget"
                     )
-                    with gr.Row():
-                        slow_fast = gr.Checkbox(value=True, label="Slow-fast encoding", min_width=120)
-                        similarity = gr.Slider(
-                            0.5, 1.0, value=settings_defaults.min_frame_similarity, step=0.01,
-                            label="Slow/fast similarity threshold", min_width=160,
-                        )
+                    slow_fast = gr.Checkbox(value=True, label="Slow-fast encoding (Keye-VL 1.5)")
+                    similarity = gr.Slider(
+                        0.5, 1.0, value=settings_defaults.min_frame_similarity, step=0.01,
+                        label="Slow-frame similarity threshold",
+                    )
                 with gr.Accordion("Generation", open=False):
                     mode = gr.Radio(list(MODES), value="auto", label="Thinking mode")
                     greedy = gr.Checkbox(value=True, label="Greedy decoding (ignore the sampling settings)")
@@ -256,10 +253,10 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                     with gr.Row():
                         top_k = gr.Slider(0, 200, value=sampling_defaults.top_k, step=1, label="Top-k (0 = off)")
                         repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty")
-                    max_new = gr.Slider(16, 4096, value=sampling_defaults.max_new_tokens, step=16,
+                    max_new = gr.Slider(1, 4096, value=sampling_defaults.max_new_tokens, step=1,
                                         label="Max new tokens")
             with gr.Column(scale=3, min_width=420):
-                chatbot = gr.Chatbot(label="Conversation", height=420, buttons=["copy"])
+                chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy"])
                 alert = gr.Markdown("", label="Message", show_label=False, elem_classes="keye-alert", visible=False)
                 with gr.Row():
                     question = gr.Textbox(
@@ -268,19 +265,19 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                     )
                     send = gr.Button("Ask", variant="primary", scale=1, min_width=80)
                     clear = gr.Button("New chat", scale=1, min_width=80)
-        with gr.Row():
-            gallery = gr.Gallery(
-                label="What the model saw (timestamp · slow/fast · tokens)",
-                columns=6, height=300, object_fit="contain", allow_preview=True,
-            )
-        summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
+                gallery = gr.Gallery(
+                    label="What the model saw (timestamp · slow/fast · tokens)",
+                    columns=4, height=340, object_fit="contain", allow_preview=True,
+                )
+                summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
         if examples:
-            gr.Examples(
-                examples=[[[e["video"]], e["question"]] for e in examples],
-                inputs=[files, question],
-                label="Examples: held-out clips of the synthetic video-QA set",
-                cache_examples=False,
-            )
+            with examples_slot:
+                gr.Examples(
+                    examples=[[[e["video"]], e["question"]] for e in examples],
+                    inputs=[files, question],
+                    label="Examples (held-out synthetic clips)",
+                    cache_examples=False,
+                )
 
         inputs = [files, question, state, fps, max_frames, budget, slow_fast, similarity, mode, greedy,
                   temperature, top_p, top_k, max_new, repetition]

@@ -1,0 +1,118 @@
+"""The Gradio demo end to end: a real server on a free port, driven by gradio_client and headless Chromium."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from keye.demo.engine import ModelHost
+from keye.demo.session import ChatSession, VideoSettings, split_partial
+
+QUESTION = "Which way does the square move?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    from keye.demo.app import build_app, serve
+
+    host = ModelHost(str(tiny_ckpt), device="cpu").start()
+    app = build_app(host)
+    port = _free_port()
+    serve(app, port=port, block=False)
+    yield f"http://127.0.0.1:{port}/", host
+    app.close()
+
+
+def _client(url):
+    from gradio_client import Client
+
+    return Client(url, verbose=False)
+
+
+def _text(message) -> str:
+    content = message["content"]
+    if isinstance(content, list):
+        return "".join(c.get("text", "") for c in content if isinstance(c, dict))
+    return content
+
+
+def _ask(client, path, question=QUESTION, **kw):
+    from gradio_client import handle_file
+
+    return client.submit(files=[handle_file(str(path))], question=question, api_name="/respond", **kw)
+
+
+@pytest.mark.slow
+def test_video_question_streams_the_greedy_answer(server, clip):
+    url, host = server
+    job = _ask(_client(url), clip, max_new_tokens=12)
+    chat, alert, gallery, summary, question = job.result(timeout=300)
+    assert [m["role"] for m in chat][0] == "user" and _text(chat[0]) == QUESTION
+    answer = _text(chat[-1])
+    assert chat[-1]["role"] == "assistant"
+
+    # Same answer as a plain greedy generate on the same messages (the page's default settings).
+    proc, model = host.processor, host.model
+    batch = proc(ChatSession(media=[("video", str(clip))]).messages(QUESTION, VideoSettings()), mode="auto")
+    out = model.generate(**batch, max_new_tokens=12, do_sample=False)
+    expected = split_partial(proc.decode(out[0, batch["input_ids"].shape[1]:])).answer or "*(no answer)*"
+    assert answer == expected
+
+    # Streamed: several intermediate updates whose text grows towards the final answer.
+    partial = [_text(o[0][-1]) for o in job.outputs() if o[0] and o[0][-1]["role"] == "assistant"]
+    growing = [t for t in dict.fromkeys(partial) if t not in ("…", answer)]
+    assert len(growing) >= 2 and all(answer.startswith(t) for t in growing)
+
+    # The gallery shows the 6 sampled frames (3 s at 2 fps) with timestamp, slow/fast and tokens.
+    assert len(gallery) == len(batch.video_meta[0].indices) == 6
+    captions = [g["caption"] for g in gallery]
+    assert captions[0].startswith("0.0 s · slow · ") and captions[1].startswith("0.6 s · fast · ")
+    assert f"{batch.video_meta[0].tokens:,} visual" in summary and "Generated:" in summary
+    assert question == ""
+
+
+def _alert_text(alert) -> str:
+    return alert["value"] if isinstance(alert, dict) else alert
+
+
+@pytest.mark.slow
+def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server, clip, corrupt_clip, tmp_path):
+    url, _ = server
+    client = _client(url)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a video")
+    long_ok = _ask(client, clip, max_new_tokens=4)  # queued alongside the bad ones
+    bad = _ask(client, corrupt_clip).result(timeout=300)
+    assert "broken.mp4: unreadable, truncated or corrupt video" in _alert_text(bad[1])
+    wrong = _ask(client, notes).result(timeout=300)
+    assert "notes.txt: unsupported file type '.txt'" in _alert_text(wrong[1])
+    assert wrong[4] == QUESTION  # the question stays in the box to retry with another file
+    good = long_ok.result(timeout=300)
+    assert good[0][-1]["role"] == "assistant" and _text(good[0][-1])
+    again = _ask(client, clip, max_new_tokens=4).result(timeout=300)
+    assert again[0][-1]["role"] == "assistant" and len(again[2]) == 6
+
+
+@pytest.mark.slow
+def test_screenshot_after_an_answer(server, tmp_path):
+    from PIL import Image
+
+    from keye.demo.screenshot import screenshot
+
+    url, _ = server
+    png = screenshot(url + "?example=0&ask=1", tmp_path / "demo.png", wait_for="Generated:", timeout=180)
+    img = Image.open(png).convert("RGB")
+    assert img.size == (1280, 1600)
+    arr = np.asarray(img, dtype=np.float64)
+    assert arr.std() > 20  # not blank: text, sliders and the frame gallery
+    # The gallery's dark synthetic frames are on the page (the example clip's background is (24, 24, 28)).
+    dark = (np.abs(arr - [24, 24, 28]).max(axis=2) < 12).mean()
+    assert dark > 0.01
