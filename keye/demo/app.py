@@ -330,8 +330,9 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
 
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 7860, share: bool = False, queue_size: int = 32,
-          block: bool = True) -> Any:
-    """Queue (one generation at a time, ``queue_size`` waiting) and launch ``app``.
+          block: bool = True, max_file_size: str | None = "2gb") -> Any:
+    """Queue (one generation at a time, ``queue_size`` waiting) and launch ``app``; uploads above
+    ``max_file_size`` are refused by Gradio with a message.
 
     ``block=False`` returns right after the server is up (tests); call ``app.close()`` to stop it.
     """
@@ -344,6 +345,7 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 7860, share: bool = Fal
         quiet=not block,
         show_error=True,
         ssr_mode=False,
+        max_file_size=max_file_size,
         theme=_theme(),
         css=CSS,
         footer_links=[],
@@ -363,6 +365,7 @@ def launch(
     until interrupted."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
     quiet_transformers()
     model_host = ModelHost(model, device=device).start()
     app = build_app(model_host, max_video_seconds)
