@@ -141,8 +141,9 @@ def make_respond(host: ModelHost, max_video_seconds: float | None):
         skip = gr.skip()
         question = (question or "").strip()
 
-        def fail(message: str, keep_question: bool = True) -> tuple:
-            return (state["display"], state, _alert(message), skip, skip, question if keep_question else "")
+        def fail(message: str) -> tuple:
+            # The question stays in the box so the user can retry after fixing the upload or settings.
+            return (state["display"], state, _alert(message), skip, skip, question)
 
         if not question:
             yield fail("Type a question first.")
