@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     tree = build_group_tree(model.config, prompt, responses, vis)
     build_s = time.perf_counter() - t0
-    unshared_tokens = sum(tree.seq_lens)
+    unshared_tokens = tree.unshared_tokens
     print(
         f"model: {model.num_parameters() / 1e6:.1f}M params ({args.variant}), threads {torch.get_num_threads()}; "
         f"group: prompt {args.prompt_len} tokens (video {vis.video_grid_thw.tolist()}), "

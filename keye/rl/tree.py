@@ -164,6 +164,11 @@ class TreeBatch:
         return len(self.paths)
 
     @property
+    def unshared_tokens(self) -> int:
+        """Tokens the same sequences take unshared (sum of their lengths); / ``num_tokens`` = the saving."""
+        return sum(self.seq_lens)
+
+    @property
     def num_nodes(self) -> int:
         """S, the number of trie nodes."""
         return int(self.node_start.shape[0])

@@ -96,7 +96,9 @@ def test_group_tree_matches_unshared_with_clipped_ppo(models, variant, kind):
     model = models[variant]
     prompt, vis = _prompt(kind)
     tree = build_group_tree(model.config, prompt, RESPONSES, vis)
-    assert tree.num_tokens < sum(tree.seq_lens)  # the prompt and shared response prefixes appear once
+    assert tree.unshared_tokens == sum(len(prompt) + len(r) for r in RESPONSES)
+    # the prompt once, then the distinct response tokens (shared prefixes 10 11 [12 13 14 15], 30 31 once)
+    assert tree.num_tokens == len(prompt) + len({tuple(r[: i + 1]) for r in RESPONSES for i in range(len(r))})
 
     calls = []
     hook = model.visual.register_forward_hook(lambda *_: calls.append(1))
