@@ -218,7 +218,8 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
     """
     if examples is None:
         examples = load_examples()
-    settings_defaults = VideoSettings()
+    # The checkpoint's own sampling defaults once it is loaded (the sliders follow when loading ends).
+    settings_defaults = VideoSettings.for_checkpoint(host.processor) if host.state == "ready" else VideoSettings()
     sampling_defaults = SamplingSettings(greedy=True)
     with gr.Blocks(title=TITLE, analytics_enabled=False) as app:
         state = gr.State(_new_state())
@@ -239,7 +240,8 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                     budget = gr.Slider(
                         256, 65536, value=settings_defaults.token_budget, step=256, label="Visual token budget"
                     )
-                    slow_fast = gr.Checkbox(value=True, label="Slow-fast encoding (Keye-VL 1.5)")
+                    slow_fast = gr.Checkbox(value=settings_defaults.slow_fast is not False,
+                                            label="Slow-fast encoding (Keye-VL 1.5)")
                     similarity = gr.Slider(
                         0.5, 1.0, value=settings_defaults.min_frame_similarity, step=0.01,
                         label="Slow-frame similarity threshold",
@@ -323,10 +325,17 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
         timer = gr.Timer(1.0, active=host.state in ("idle", "loading"))
 
         def poll() -> tuple:
-            return host.describe(), gr.Timer(active=host.state in ("idle", "loading"))
+            loading = host.state in ("idle", "loading")
+            if host.state != "ready":
+                return (host.describe(), gr.Timer(active=loading), *skip_all(5))
+            # Runs once per page when it first sees the model ready (the timer stops here).
+            d = VideoSettings.for_checkpoint(host.processor)
+            return (host.describe(), gr.Timer(active=False), d.fps, d.max_frames, d.token_budget,
+                    d.slow_fast is not False, d.min_frame_similarity)
 
-        timer.tick(poll, None, [status, timer], api_name=False, show_progress="hidden")
-        app.load(poll, None, [status, timer], api_name=False, show_progress="hidden")
+        polled = [status, timer, fps, max_frames, budget, slow_fast, similarity]
+        timer.tick(poll, None, polled, api_name=False, show_progress="hidden")
+        app.load(poll, None, polled, api_name=False, show_progress="hidden")
     return app
 
 

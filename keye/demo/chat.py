@@ -41,11 +41,13 @@ def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     c.add_argument("--mode", choices=list(MODES), default=None, help="thinking mode (default: the model's own)")
     g = c.add_argument_group("video sampling")
-    g.add_argument("--fps", type=float, default=2.0, help="frames sampled per second (default 2)")
-    g.add_argument("--max-frames", type=int, default=None, help="cap on sampled frames")
-    g.add_argument("--token-budget", type=int, default=None, help="visual tokens per video (default 65536)")
+    g.add_argument("--fps", type=float, default=None, help="frames sampled per second (default: checkpoint's, else 2)")
+    g.add_argument("--max-frames", type=int, default=None, help="cap on sampled frames (default: checkpoint's)")
+    g.add_argument(
+        "--token-budget", type=int, default=None, help="visual tokens per video (default: checkpoint's, else 65536)"
+    )
     g.add_argument("--no-slow-fast", action="store_true", help="encode every frame at full size (1.5)")
-    g.add_argument("--similarity", type=float, default=0.9, help="slow/fast similarity threshold (0-1)")
+    g.add_argument("--similarity", type=float, default=None, help="slow/fast similarity threshold (0-1)")
     s = c.add_argument_group("decoding")
     s.add_argument("--max-new-tokens", type=int, default=512)
     s.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -62,11 +64,13 @@ def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> tuple[VideoSettings, SamplingSettings]:
+    # Options not given on the command line stay None and are left out of the video item, so the
+    # checkpoint's own video_defaults (or Keye's) apply.
     video = VideoSettings(
         fps=args.fps,
         max_frames=args.max_frames,
         token_budget=args.token_budget,
-        slow_fast=not args.no_slow_fast,
+        slow_fast=False if args.no_slow_fast else None,
         min_frame_similarity=args.similarity,
     )
     sampling = SamplingSettings(

@@ -79,19 +79,39 @@ class VideoSettings:
     ``fps`` frames per second sampled; ``max_frames`` cap on sampled frames; ``token_budget`` total LLM
     tokens for the whole video (``total_pixels = token_budget * 784``); ``slow_fast`` and
     ``min_frame_similarity`` control Keye-VL-1.5's slow/fast frame split (ignored by preview checkpoints).
-    None means "the processor's default".
+    None means "the processor's default" (the checkpoint's ``video_defaults``, else Keye's).
     """
 
     fps: float | None = 2.0
     max_frames: int | None = 32
     token_budget: int | None = 16384
-    slow_fast: bool = True
-    min_frame_similarity: float = 0.9
+    slow_fast: bool | None = True
+    min_frame_similarity: float | None = 0.9
+
+    @classmethod
+    def for_checkpoint(cls, processor: Any, base: VideoSettings | None = None) -> VideoSettings:
+        """``base`` (default: the demo's defaults) with the checkpoint's own ``video_defaults``
+        (preprocessor_config.json: fps, max_frames, total_pixels, slow_fast, min_frame_similarity) on top,
+        so a model is asked with the sampling it was trained with unless the user changes it."""
+        base = base or cls()
+        config = getattr(getattr(processor, "image_processor", None), "config", None)
+        vd = dict(getattr(config, "video_defaults", None) or {})
+        budget = vd.get("total_pixels")
+        return cls(
+            fps=vd.get("fps", base.fps),
+            max_frames=vd.get("max_frames", base.max_frames),
+            token_budget=int(budget) // TOKEN_PIXELS if budget else base.token_budget,
+            slow_fast=vd.get("slow_fast", base.slow_fast),
+            min_frame_similarity=vd.get("min_frame_similarity", base.min_frame_similarity),
+        )
 
     def item(self, path: str) -> dict[str, Any]:
         """The ``{"type": "video", ...}`` content item for ``path`` with these options."""
-        d: dict[str, Any] = {"type": "video", "video": path, "slow_fast": bool(self.slow_fast)}
-        d["min_frame_similarity"] = float(self.min_frame_similarity)
+        d: dict[str, Any] = {"type": "video", "video": path}
+        if self.slow_fast is not None:
+            d["slow_fast"] = bool(self.slow_fast)
+        if self.min_frame_similarity is not None:
+            d["min_frame_similarity"] = float(self.min_frame_similarity)
         if self.fps is not None:
             d["fps"] = float(self.fps)
         if self.max_frames is not None:

@@ -23,7 +23,7 @@ def test_one_shot_answer_equals_greedy_generate(tiny_ckpt, clip, capsys):
 
     proc = KeyeProcessor.from_pretrained(tiny_ckpt)
     model = KeyeVL.from_pretrained(tiny_ckpt, torch_dtype="float32")
-    msgs = ChatSession(media=[("video", str(clip))]).messages("Which way does it move?", VideoSettings(fps=2.0, max_frames=None, token_budget=None))
+    msgs = ChatSession(media=[("video", str(clip))]).messages("Which way does it move?", VideoSettings(None, None, None, None, None))
     batch = proc(msgs)
     out = model.generate(**batch, max_new_tokens=8, do_sample=False)
     expected = proc.decode(out[0, batch["input_ids"].shape[1]:])

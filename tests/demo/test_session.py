@@ -71,8 +71,21 @@ def test_video_settings_item():
         "type": "video", "video": "v.mp4", "fps": 1.5, "max_frames": 12, "total_pixels": 1000 * 28 * 28,
         "slow_fast": False, "min_frame_similarity": 0.8,
     }
-    bare = VideoSettings(fps=None, max_frames=None, token_budget=None).item("v.mp4")
-    assert "fps" not in bare and "max_frames" not in bare and "total_pixels" not in bare
+    bare = VideoSettings(fps=None, max_frames=None, token_budget=None, slow_fast=None, min_frame_similarity=None)
+    assert bare.item("v.mp4") == {"type": "video", "video": "v.mp4"}
+
+
+def test_video_settings_follow_the_checkpoint_defaults(tiny_ckpt):
+    from keye.processing.image import ImageProcessorConfig
+    from keye.processing.processor import KeyeProcessor
+
+    proc = KeyeProcessor.from_pretrained(tiny_ckpt)
+    assert VideoSettings.for_checkpoint(proc) == VideoSettings()  # no video_defaults: the demo's own
+    proc.image_processor.config = ImageProcessorConfig(
+        variant="1.5", video_defaults={"fps": 4.0, "max_frames": 16, "total_pixels": 300 * 784, "max_pixels": 25088}
+    )
+    got = VideoSettings.for_checkpoint(proc)
+    assert (got.fps, got.max_frames, got.token_budget, got.slow_fast) == (4.0, 16, 300, True)
 
 
 def test_chat_session_messages_multi_turn():
