@@ -99,6 +99,14 @@ def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server, clip, co
     assert good[0][-1]["role"] == "assistant" and _text(good[0][-1])
     again = _ask(client, clip, max_new_tokens=4).result(timeout=300)
     assert again[0][-1]["role"] == "assistant" and len(again[2]) == 6
+    # Images work too: one gallery entry per image.
+    from PIL import Image
+
+    img = tmp_path / "red.png"
+    Image.new("RGB", (80, 60), (220, 40, 40)).save(img)
+    pic = _ask(client, img, question="What colour is it?", max_new_tokens=4).result(timeout=300)
+    assert _text(pic[0][0]) == "What colour is it?" and len(pic[2]) == 1
+    assert pic[2][0]["caption"].startswith("image 0 · image · ")
 
 
 @pytest.mark.slow
