@@ -1,7 +1,7 @@
 """Launch the Keye-VL video Q&A demo (same as ``keye demo``).
 
-    .venv/bin/python demo/app.py                      # embedded keye-tiny on http://127.0.0.1:7860
-    .venv/bin/python demo/app.py --model Kwai-Keye/Keye-VL-1_5-8B --host 0.0.0.0
+.venv/bin/python demo/app.py                      # embedded keye-tiny on http://127.0.0.1:7860
+.venv/bin/python demo/app.py --model Kwai-Keye/Keye-VL-1_5-8B --host 0.0.0.0
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Render the demo's bundled example clips into demo/examples/ (held-out synthetic test samples).
 
-    .venv/bin/python demo/make_examples.py
+.venv/bin/python demo/make_examples.py
 """
 
 from __future__ import annotations

@@ -41,8 +41,13 @@ def main() -> int:
         port = s.getsockname()[1]
     serve(app, port=port, block=False)
     try:
-        out = screenshot(f"http://127.0.0.1:{port}/?example={args.example}&ask=1", args.out,
-                         wait_for="Generated:", timeout=300, size=(args.width, args.height))
+        out = screenshot(
+            f"http://127.0.0.1:{port}/?example={args.example}&ask=1",
+            args.out,
+            wait_for="Generated:",
+            timeout=300,
+            size=(args.width, args.height),
+        )
     finally:
         app.close()
     print(out)

@@ -120,6 +120,7 @@ def _new_state() -> dict[str, Any]:
 def make_respond(host: ModelHost, max_video_seconds: float | None):
     """The chat handler bound to ``host``: a generator yielding ``(chatbot, state, alert, gallery, summary,
     question)`` updates while the answer streams."""
+
     def respond(
         files: Any,
         question: str,
@@ -156,15 +157,24 @@ def make_respond(host: ModelHost, max_video_seconds: float | None):
             if time.perf_counter() - t_wait > LOAD_WAIT_S:
                 yield fail("The model is still loading; try again in a moment.")
                 return
-            yield (state["display"], state,
-                   _alert("The model is still loading… your question will run once it is ready."), skip, skip, question)
+            yield (
+                state["display"],
+                state,
+                _alert("The model is still loading… your question will run once it is ready."),
+                skip,
+                skip,
+                question,
+            )
         try:
             paths = _files_list(files)
             key = tuple(paths)
             if key != state["key"]:
                 # New media, new conversation: earlier turns were about other pictures.
-                state = {"key": key, "session": ChatSession(media=check_media(paths, max_video_seconds)),
-                         "display": []}
+                state = {
+                    "key": key,
+                    "session": ChatSession(media=check_media(paths, max_video_seconds)),
+                    "display": [],
+                }
             video = VideoSettings(
                 fps=float(fps),
                 max_frames=int(max_frames),
@@ -187,8 +197,14 @@ def make_respond(host: ModelHost, max_video_seconds: float | None):
             summary = token_summary(batch, frames)
             gallery = [(f.image, f.caption()) for f in frames]
             display = state["display"]
-            yield (display + _turn_messages(question, "", False), state, _alert(""), gallery,
-                   _summary_markdown(summary), "")
+            yield (
+                display + _turn_messages(question, "", False),
+                state,
+                _alert(""),
+                gallery,
+                _summary_markdown(summary),
+                "",
+            )
             text, stats = "", {"tokens": 0}
             t0 = time.perf_counter()
             first = None
@@ -219,7 +235,9 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
     if examples is None:
         examples = load_examples()
     # The checkpoint's own sampling defaults once it is loaded (the sliders follow when loading ends).
-    settings_defaults = VideoSettings.for_checkpoint(host.processor) if host.state == "ready" else VideoSettings()
+    settings_defaults = (
+        VideoSettings.for_checkpoint(host.processor) if host.state == "ready" else VideoSettings()
+    )
     sampling_defaults = SamplingSettings(greedy=True)
     with gr.Blocks(title=TITLE, analytics_enabled=False) as app:
         state = gr.State(_new_state())
@@ -235,42 +253,69 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                 # Placeholder for the examples table, filled below once the question box exists.
                 examples_slot = gr.Column()
                 with gr.Accordion("Video sampling", open=True):
-                    fps = gr.Slider(0.5, 8.0, value=settings_defaults.fps, step=0.5, label="Frames per second")
-                    max_frames = gr.Slider(2, 256, value=settings_defaults.max_frames, step=1, label="Max frames")
-                    budget = gr.Slider(
-                        256, 65536, value=settings_defaults.token_budget, step=256, label="Visual token budget"
+                    fps = gr.Slider(
+                        0.5, 8.0, value=settings_defaults.fps, step=0.5, label="Frames per second"
                     )
-                    slow_fast = gr.Checkbox(value=settings_defaults.slow_fast is not False,
-                                            label="Slow-fast encoding (Keye-VL 1.5)")
+                    max_frames = gr.Slider(
+                        2, 256, value=settings_defaults.max_frames, step=1, label="Max frames"
+                    )
+                    budget = gr.Slider(
+                        256,
+                        65536,
+                        value=settings_defaults.token_budget,
+                        step=256,
+                        label="Visual token budget",
+                    )
+                    slow_fast = gr.Checkbox(
+                        value=settings_defaults.slow_fast is not False,
+                        label="Slow-fast encoding (Keye-VL 1.5)",
+                    )
                     similarity = gr.Slider(
-                        0.5, 1.0, value=settings_defaults.min_frame_similarity, step=0.01,
+                        0.5,
+                        1.0,
+                        value=settings_defaults.min_frame_similarity,
+                        step=0.01,
                         label="Slow-frame similarity threshold",
                     )
                 with gr.Accordion("Generation", open=False):
                     mode = gr.Radio(list(MODES), value="auto", label="Thinking mode")
                     greedy = gr.Checkbox(value=True, label="Greedy decoding (ignore the sampling settings)")
                     with gr.Row():
-                        temperature = gr.Slider(0.05, 2.0, value=sampling_defaults.temperature, step=0.05,
-                                                label="Temperature")
+                        temperature = gr.Slider(
+                            0.05, 2.0, value=sampling_defaults.temperature, step=0.05, label="Temperature"
+                        )
                         top_p = gr.Slider(0.05, 1.0, value=sampling_defaults.top_p, step=0.05, label="Top-p")
                     with gr.Row():
-                        top_k = gr.Slider(0, 200, value=sampling_defaults.top_k, step=1, label="Top-k (0 = off)")
+                        top_k = gr.Slider(
+                            0, 200, value=sampling_defaults.top_k, step=1, label="Top-k (0 = off)"
+                        )
                         repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty")
-                    max_new = gr.Slider(1, 4096, value=sampling_defaults.max_new_tokens, step=1,
-                                        label="Max new tokens")
+                    max_new = gr.Slider(
+                        1, 4096, value=sampling_defaults.max_new_tokens, step=1, label="Max new tokens"
+                    )
             with gr.Column(scale=3, min_width=420):
                 chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy"])
-                alert = gr.Markdown("", label="Message", show_label=False, elem_classes="keye-alert", visible=False)
+                alert = gr.Markdown(
+                    "", label="Message", show_label=False, elem_classes="keye-alert", visible=False
+                )
                 with gr.Row():
                     question = gr.Textbox(
                         placeholder="Ask about the video… e.g. Which way does the red circle move?",
-                        label="Question", show_label=False, scale=5, lines=1, max_lines=6, autofocus=True,
+                        label="Question",
+                        show_label=False,
+                        scale=5,
+                        lines=1,
+                        max_lines=6,
+                        autofocus=True,
                     )
                     send = gr.Button("Ask", variant="primary", scale=1, min_width=80)
                     clear = gr.Button("New chat", scale=1, min_width=80)
                 gallery = gr.Gallery(
                     label="What the model saw (timestamp · slow/fast · tokens)",
-                    columns=4, height=340, object_fit="contain", allow_preview=True,
+                    columns=4,
+                    height=340,
+                    object_fit="contain",
+                    allow_preview=True,
                 )
                 summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
         if examples:
@@ -282,8 +327,23 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                     cache_examples=False,
                 )
 
-        inputs = [files, question, state, fps, max_frames, budget, slow_fast, similarity, mode, greedy,
-                  temperature, top_p, top_k, max_new, repetition]
+        inputs = [
+            files,
+            question,
+            state,
+            fps,
+            max_frames,
+            budget,
+            slow_fast,
+            similarity,
+            mode,
+            greedy,
+            temperature,
+            top_p,
+            top_k,
+            max_new,
+            repetition,
+        ]
         outputs = [chatbot, state, alert, gallery, summary, question]
         respond = make_respond(host, max_video_seconds)
         send.click(respond, inputs, outputs, api_name="respond")
@@ -330,8 +390,15 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                 return (host.describe(), gr.Timer(active=loading), *skip_all(5))
             # Runs once per page when it first sees the model ready (the timer stops here).
             d = VideoSettings.for_checkpoint(host.processor)
-            return (host.describe(), gr.Timer(active=False), d.fps, d.max_frames, d.token_budget,
-                    d.slow_fast is not False, d.min_frame_similarity)
+            return (
+                host.describe(),
+                gr.Timer(active=False),
+                d.fps,
+                d.max_frames,
+                d.token_budget,
+                d.slow_fast is not False,
+                d.min_frame_similarity,
+            )
 
         polled = [status, timer, fps, max_frames, budget, slow_fast, similarity]
         timer.tick(poll, None, polled, api_name=False, show_progress="hidden")
@@ -339,8 +406,15 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
     return app
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 7860, share: bool = False, queue_size: int = 32,
-          block: bool = True, max_file_size: str | None = "2gb") -> Any:
+def serve(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    queue_size: int = 32,
+    block: bool = True,
+    max_file_size: str | None = "2gb",
+) -> Any:
     """Queue (one generation at a time, ``queue_size`` waiting) and launch ``app``; uploads above
     ``max_file_size`` are refused by Gradio with a message.
 

@@ -39,12 +39,21 @@ def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--model", default="keye-tiny", help="checkpoint directory, hub id or keye-tiny (default)")
     c.add_argument("--video", action="append", default=[], help="video file (repeatable)")
     c.add_argument("--image", action="append", default=[], help="image file (repeatable)")
-    c.add_argument("--mode", choices=list(MODES), default=None, help="thinking mode (default: the model's own)")
+    c.add_argument(
+        "--mode", choices=list(MODES), default=None, help="thinking mode (default: the model's own)"
+    )
     g = c.add_argument_group("video sampling")
-    g.add_argument("--fps", type=float, default=None, help="frames sampled per second (default: checkpoint's, else 2)")
-    g.add_argument("--max-frames", type=int, default=None, help="cap on sampled frames (default: checkpoint's)")
     g.add_argument(
-        "--token-budget", type=int, default=None, help="visual tokens per video (default: checkpoint's, else 65536)"
+        "--fps", type=float, default=None, help="frames sampled per second (default: checkpoint's, else 2)"
+    )
+    g.add_argument(
+        "--max-frames", type=int, default=None, help="cap on sampled frames (default: checkpoint's)"
+    )
+    g.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="visual tokens per video (default: checkpoint's, else 65536)",
     )
     g.add_argument("--no-slow-fast", action="store_true", help="encode every frame at full size (1.5)")
     g.add_argument("--similarity", type=float, default=None, help="slow/fast similarity threshold (0-1)")

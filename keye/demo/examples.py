@@ -21,7 +21,9 @@ MANIFEST = "examples.json"
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "demo" / "examples"
 
 
-def write_examples(out_dir: str | Path, types: tuple[str, ...] = EXAMPLE_TYPES, seed: int = 0) -> list[dict[str, Any]]:
+def write_examples(
+    out_dir: str | Path, types: tuple[str, ...] = EXAMPLE_TYPES, seed: int = 0
+) -> list[dict[str, Any]]:
     """Render one test-split clip per question type into ``out_dir`` as ``<type>.mp4`` and write
     ``examples.json`` (``[{"video", "question", "answer", "question_type"}]``, video names relative).
 
@@ -44,8 +46,13 @@ def write_examples(out_dir: str | Path, types: tuple[str, ...] = EXAMPLE_TYPES, 
             media = row["messages"][0]["content"][0]["video"]
             shutil.copyfile(Path(tmp) / media, out / f"{qtype}.mp4")
             question = row["messages"][0]["content"][1]["text"]
-            found[qtype] = {"video": f"{qtype}.mp4", "question": question, "answer": row["answer"],
-                            "question_type": qtype, "id": row["id"]}
+            found[qtype] = {
+                "video": f"{qtype}.mp4",
+                "question": question,
+                "answer": row["answer"],
+                "question_type": qtype,
+                "id": row["id"],
+            }
     missing = [t for t in types if t not in found]
     if missing:
         raise KeyeConfigError(f"no test-split video sample of type(s) {missing} in the first 400 indices")

@@ -54,7 +54,15 @@ def unpatchify(rows: torch.Tensor, grid_hw: tuple[int, int], mean: Any, std: Any
     n, c, p, _ = rows.shape
     if n != h * w:
         raise ValueError(f"{n} patch rows do not tile a {h}x{w} grid")
-    x = rows.detach().float().cpu().numpy().reshape(h, w, c, p, p).transpose(0, 3, 1, 4, 2).reshape(h * p, w * p, c)
+    x = (
+        rows.detach()
+        .float()
+        .cpu()
+        .numpy()
+        .reshape(h, w, c, p, p)
+        .transpose(0, 3, 1, 4, 2)
+        .reshape(h * p, w * p, c)
+    )
     x = x * np.asarray(std, dtype=np.float32) + np.asarray(mean, dtype=np.float32)
     return np.clip(np.rint(x * 255.0), 0, 255).astype(np.uint8)
 
@@ -76,7 +84,9 @@ def seen_frames(batch: Any, processor: Any) -> list[SeenFrame]:
             idx = meta.indices[j] if j < len(meta.indices) else None
             ts = times[j] if j < len(times) else None
             out.append(
-                SeenFrame(Image.fromarray(arr), f"video {meta.index}", idx, ts, kind, n // merge2, arr.shape[:2])
+                SeenFrame(
+                    Image.fromarray(arr), f"video {meta.index}", idx, ts, kind, n // merge2, arr.shape[:2]
+                )
             )
     pv = batch.get("pixel_values")
     start = 0
@@ -85,7 +95,11 @@ def seen_frames(batch: Any, processor: Any) -> list[SeenFrame]:
         n = t * h * w
         arr = unpatchify(pv[start : start + n], (h, w), cfg.image_mean, cfg.image_std)
         start += n
-        out.append(SeenFrame(Image.fromarray(arr), f"image {meta.index}", None, None, "image", meta.tokens, arr.shape[:2]))
+        out.append(
+            SeenFrame(
+                Image.fromarray(arr), f"image {meta.index}", None, None, "image", meta.tokens, arr.shape[:2]
+            )
+        )
     return out
 
 

@@ -45,7 +45,9 @@ def find_browser() -> str:
         path = shutil.which(name)
         if path:
             return path
-    raise KeyeConfigError("no Chromium browser found on PATH; install it (Debian: apt-get install -y chromium)")
+    raise KeyeConfigError(
+        "no Chromium browser found on PATH; install it (Debian: apt-get install -y chromium)"
+    )
 
 
 def _high_fd(fd: int) -> int:
@@ -112,11 +114,19 @@ def screenshot(
         # bash's "3<&a 4>&b" can never overwrite one with the other; no preexec_fn (unsafe with threads).
         to_r, to_w = (_high_fd(fd) for fd in os.pipe())  # we write -> browser fd 3
         from_r, from_w = (_high_fd(fd) for fd in os.pipe())  # browser fd 4 -> we read
-        cmd = [exe, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
-               "--remote-debugging-pipe", "about:blank"]
+        cmd = [
+            exe,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={size[0]},{size[1]}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         proc = subprocess.Popen(
             ["bash", "-c", f'exec "$@" 3<&{to_r} 4>&{from_w} {to_r}<&- {from_w}>&-', "bash", *cmd],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(to_r, from_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(to_r, from_w),
         )
         os.close(to_r)
         os.close(from_w)
@@ -124,15 +134,25 @@ def screenshot(
             cdp = _Pipe(proc, to_w, from_r)
             target = cdp.call("Target.createTarget", url="about:blank")["targetId"]
             sid = cdp.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-            cdp.call("Emulation.setDeviceMetricsOverride", session=sid, width=size[0], height=size[1],
-                     deviceScaleFactor=1, mobile=False)
+            cdp.call(
+                "Emulation.setDeviceMetricsOverride",
+                session=sid,
+                width=size[0],
+                height=size[1],
+                deviceScaleFactor=1,
+                mobile=False,
+            )
             cdp.call("Page.enable", session=sid)
             cdp.call("Page.navigate", session=sid, url=url)
             deadline = time.monotonic() + timeout
             text = ""
             while wait_for is not None:
-                res = cdp.call("Runtime.evaluate", session=sid, expression="document.body ? document.body.innerText : ''",
-                               returnByValue=True)
+                res = cdp.call(
+                    "Runtime.evaluate",
+                    session=sid,
+                    expression="document.body ? document.body.innerText : ''",
+                    returnByValue=True,
+                )
                 text = res.get("result", {}).get("value") or ""
                 if wait_for in text:
                     break
@@ -166,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--height", type=int, default=1600)
     args = p.parse_args(argv)
     try:
-        path = screenshot(args.url, args.out, wait_for=args.wait_for, timeout=args.timeout,
-                          size=(args.width, args.height))
+        path = screenshot(
+            args.url, args.out, wait_for=args.wait_for, timeout=args.timeout, size=(args.width, args.height)
+        )
     except KeyeConfigError as err:
         print(f"screenshot: error: {err}", file=sys.stderr)
         return 1

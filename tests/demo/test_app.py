@@ -63,7 +63,7 @@ def test_video_question_streams_the_greedy_answer(server, clip):
     proc, model = host.processor, host.model
     batch = proc(ChatSession(media=[("video", str(clip))]).messages(QUESTION, VideoSettings()), mode="auto")
     out = model.generate(**batch, max_new_tokens=12, do_sample=False)
-    expected = split_partial(proc.decode(out[0, batch["input_ids"].shape[1]:])).answer or "*(no answer)*"
+    expected = split_partial(proc.decode(out[0, batch["input_ids"].shape[1] :])).answer or "*(no answer)*"
     assert answer == expected
 
     # Streamed: several intermediate updates whose text grows towards the final answer.

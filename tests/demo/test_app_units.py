@@ -42,12 +42,19 @@ def test_turn_messages_put_thinking_in_a_collapsible_block():
     from keye.demo.app import _turn_messages
 
     assert _turn_messages("q", "", False) == [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "…"}
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "…"},
     ]
     live = _turn_messages("q", "<think>the square is on the left", False)
-    assert live[1] == {"role": "assistant", "content": "the square is on the left",
-                       "metadata": {"title": "Thinking", "status": "pending"}}
+    assert live[1] == {
+        "role": "assistant",
+        "content": "the square is on the left",
+        "metadata": {"title": "Thinking", "status": "pending"},
+    }
     assert len(live) == 2  # no answer bubble until the answer starts
     done = _turn_messages("q", "<think>it moves right</think>\nB", True)
     assert done[1]["metadata"]["status"] == "done" and done[2] == {"role": "assistant", "content": "B"}
-    assert _turn_messages("q", "B", True) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "B"}]
+    assert _turn_messages("q", "B", True) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "B"},
+    ]

@@ -13,8 +13,20 @@ from keye.demo.session import ChatSession, VideoSettings
 
 
 def test_one_shot_answer_equals_greedy_generate(tiny_ckpt, clip, capsys):
-    rc = chat.main(["--model", str(tiny_ckpt), "--video", str(clip), "Which way does it move?",
-                    "--max-new-tokens", "8", "--device", "cpu", "--json"])
+    rc = chat.main(
+        [
+            "--model",
+            str(tiny_ckpt),
+            "--video",
+            str(clip),
+            "Which way does it move?",
+            "--max-new-tokens",
+            "8",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
     assert rc == 0
     parsed = json.loads(capsys.readouterr().out)
 
@@ -23,16 +35,23 @@ def test_one_shot_answer_equals_greedy_generate(tiny_ckpt, clip, capsys):
 
     proc = KeyeProcessor.from_pretrained(tiny_ckpt)
     model = KeyeVL.from_pretrained(tiny_ckpt, torch_dtype="float32")
-    msgs = ChatSession(media=[("video", str(clip))]).messages("Which way does it move?", VideoSettings(None, None, None, None, None))
+    msgs = ChatSession(media=[("video", str(clip))]).messages(
+        "Which way does it move?", VideoSettings(None, None, None, None, None)
+    )
     batch = proc(msgs)
     out = model.generate(**batch, max_new_tokens=8, do_sample=False)
-    expected = proc.decode(out[0, batch["input_ids"].shape[1]:])
+    expected = proc.decode(out[0, batch["input_ids"].shape[1] :])
     assert parsed["raw"] == expected
     assert parsed["raw"].strip()
 
 
 def test_streamed_text_is_printed(tiny_ckpt, clip, capsys):
-    assert chat.main(["--model", str(tiny_ckpt), "--video", str(clip), "What is shown?", "--max-new-tokens", "6"]) == 0
+    assert (
+        chat.main(
+            ["--model", str(tiny_ckpt), "--video", str(clip), "What is shown?", "--max-new-tokens", "6"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip()
 
 
@@ -69,7 +88,11 @@ def test_bad_input_is_one_line_exit_1(args, message, capsys):
 
 
 def test_bad_path_from_a_real_process():
-    r = subprocess.run([sys.executable, "-m", "keye.demo.chat", "--video", "missing.mp4", "q"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "keye.demo.chat", "--video", "missing.mp4", "q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert r.stderr.strip() == "keye chat: error: missing.mp4: file not found", r.stderr

@@ -67,7 +67,9 @@ def test_seen_frames_match_processor_output(proc, clip, tmp_path):
         rebuilt = np.asarray(f.image, dtype=np.float64)
         assert np.abs(src.mean(axis=(0, 1)) - rebuilt.mean(axis=(0, 1))).max() < 4.0
     (image,) = [f for f in frames if f.kind == "image"]
-    assert image.tokens == batch.image_meta[0].tokens == int((batch["input_ids"] == proc.image_token_id).sum())
+    assert (
+        image.tokens == batch.image_meta[0].tokens == int((batch["input_ids"] == proc.image_token_id).sum())
+    )
     assert np.abs(np.asarray(image.image, dtype=float).mean(axis=(0, 1)) - [220, 40, 40]).max() < 2
     assert video[0].caption() == f"0.0 s · slow · {video[0].tokens} tok"
     assert image.caption() == f"image 0 · image · {image.tokens} tok"

@@ -66,12 +66,21 @@ def test_check_media_rejects_audio_only_container(tmp_path):
 
 
 def test_video_settings_item():
-    item = VideoSettings(fps=1.5, max_frames=12, token_budget=1000, slow_fast=False, min_frame_similarity=0.8).item("v.mp4")
+    item = VideoSettings(
+        fps=1.5, max_frames=12, token_budget=1000, slow_fast=False, min_frame_similarity=0.8
+    ).item("v.mp4")
     assert item == {
-        "type": "video", "video": "v.mp4", "fps": 1.5, "max_frames": 12, "total_pixels": 1000 * 28 * 28,
-        "slow_fast": False, "min_frame_similarity": 0.8,
+        "type": "video",
+        "video": "v.mp4",
+        "fps": 1.5,
+        "max_frames": 12,
+        "total_pixels": 1000 * 28 * 28,
+        "slow_fast": False,
+        "min_frame_similarity": 0.8,
     }
-    bare = VideoSettings(fps=None, max_frames=None, token_budget=None, slow_fast=None, min_frame_similarity=None)
+    bare = VideoSettings(
+        fps=None, max_frames=None, token_budget=None, slow_fast=None, min_frame_similarity=None
+    )
     assert bare.item("v.mp4") == {"type": "video", "video": "v.mp4"}
 
 
@@ -82,7 +91,8 @@ def test_video_settings_follow_the_checkpoint_defaults(tiny_ckpt):
     proc = KeyeProcessor.from_pretrained(tiny_ckpt)
     assert VideoSettings.for_checkpoint(proc) == VideoSettings()  # no video_defaults: the demo's own
     proc.image_processor.config = ImageProcessorConfig(
-        variant="1.5", video_defaults={"fps": 4.0, "max_frames": 16, "total_pixels": 300 * 784, "max_pixels": 25088}
+        variant="1.5",
+        video_defaults={"fps": 4.0, "max_frames": 16, "total_pixels": 300 * 784, "max_pixels": 25088},
     )
     got = VideoSettings.for_checkpoint(proc)
     assert (got.fps, got.max_frames, got.token_budget, got.slow_fast) == (4.0, 16, 300, True)
@@ -91,9 +101,16 @@ def test_video_settings_follow_the_checkpoint_defaults(tiny_ckpt):
 def test_chat_session_messages_multi_turn():
     s = ChatSession(media=[("video", "v.mp4"), ("image", "i.png")])
     first = s.messages("What moves?")
-    assert first == [{"role": "user", "content": [
-        VideoSettings().item("v.mp4"), {"type": "image", "image": "i.png"}, {"type": "text", "text": "What moves?"}
-    ]}]
+    assert first == [
+        {
+            "role": "user",
+            "content": [
+                VideoSettings().item("v.mp4"),
+                {"type": "image", "image": "i.png"},
+                {"type": "text", "text": "What moves?"},
+            ],
+        }
+    ]
     s.turns.append(("What moves?", "A red circle."))
     msgs = s.messages("Which way?")
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
@@ -123,7 +140,9 @@ def test_split_partial(text, thinking, done, answer):
 
 def test_sampling_settings():
     assert SamplingSettings(max_new_tokens=7, greedy=True, temperature=0.0).kwargs() == {
-        "max_new_tokens": 7, "do_sample": False, "repetition_penalty": 1.0,
+        "max_new_tokens": 7,
+        "do_sample": False,
+        "repetition_penalty": 1.0,
     }
     kw = SamplingSettings(greedy=False, temperature=0.5, top_p=0.8, top_k=5).kwargs()
     assert kw["do_sample"] and kw["temperature"] == 0.5 and kw["top_p"] == 0.8 and kw["top_k"] == 5
@@ -131,4 +150,3 @@ def test_sampling_settings():
         SamplingSettings(greedy=False, temperature=0).kwargs()
     with pytest.raises(KeyeInputError, match="max new tokens"):
         SamplingSettings(max_new_tokens=0).kwargs()
-
