@@ -1,0 +1,962 @@
+"""RLEP / GRPO-family reinforcement learning of Keye-VL (the recipe behind ``keye train rlep``).
+
+Launch::
+
+    keye rlep collect --policy runs/tiny/final --data data/synth/train.jsonl --n 8 --out runs/pool.jsonl
+    keye train rlep --config training/configs/tiny_synth_rlep.yaml                 # one CPU, minutes
+    torchrun --nproc_per_node 8 -m keye train rlep --config training/configs/keye_vl_8b_rlep.yaml
+
+One step (``keye.rl.update`` gives the core order; this module adds config, data parallelism,
+optimizer, logging, evaluation and checkpoints):
+
+1. draw ``data.prompts_per_step / world`` prompts on each rank (its own slice of a seeded per-epoch
+   permutation), give them thinking modes (``algorithm.mode_mix``), sample ``rollout.G`` responses each;
+2. RLEP phase B: append ``replay.M`` replayed successes per group (missing ones as masked rows), score
+   fresh and replayed responses with the same reward; with ``algorithm.dynamic_sampling`` groups whose
+   rewards are all equal are dropped and refilled (at most ``max_rounds`` rounds);
+3. group-normalised advantages over the enlarged groups (+ optional difficulty reshaping by the fresh
+   pass rate), online pool growth with new verified successes (gathered from every rank);
+4. old (and reference) log-probs with the current policy - replayed responses included - through the
+   shared-prefix tree (``tree.enabled``) or padded batches;
+5. ``ppo_epochs`` x ``mini_batches`` optimizer updates on whole groups; every micro-batch loss is
+   normalised by the token count of the whole mini-batch over all ranks, gradients are summed over
+   ranks (data parallelism by explicit all-reduce: ranks may hold different numbers of live samples).
+
+All randomness of a step (sampling, replay draws, mode assignment, mini-batch order) is seeded from
+``(train.seed, step, rank)``; a checkpoint stores the model, optimizer, scheduler, the prompt stream
+cursors, the replay pool (entries + RNG) and the rollout generator states, so a resumed run
+reproduces the uninterrupted one exactly (on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from keye.errors import KeyeConfigError
+from keye.rl import (
+    DifficultyCurve,
+    LocalRollout,
+    ModeMix,
+    ReplayPool,
+    RewardScorer,
+    RLPrompt,
+    RolloutSample,
+    VLLMRollout,
+    accumulate_policy_gradients,
+    add_replay,
+    assign_advantages,
+    collate_prompts,
+    collate_samples,
+    dynamic_sample,
+    fill_logprobs,
+    filter_prompts,
+    group_minibatches,
+    load_rl_prompts,
+    policy_loss,
+    response_lengths,
+    set_scores,
+    token_logprobs,
+)
+from keye.train import dist as kdist
+from keye.train.config import dump_config, load_config, to_dict
+from keye.train.sft import (
+    MetricsWriter,
+    ModelSection,
+    apply_freezing,
+    list_checkpoints,
+    load_checkpoint,
+    lr_lambda,
+    param_groups,
+    prune_checkpoints,
+    resolve_model_path,
+    save_checkpoint,
+)
+
+log = logging.getLogger("keye.train.rlep")
+
+
+# ----------------------------------------------------------------------------------------- config
+@dataclass
+class RLDataSection:
+    manifest: str = "data/synth/train.jsonl"  # RL prompt manifest (answer / answer_kind / choices columns)
+    limit: int | None = None  # use only the first N prompts
+    prompts_per_step: int = 4  # groups per step over all ranks (divisible by the world size)
+    shuffle: bool = True  # new seeded permutation every epoch
+    filter_samples: int = 0  # > 0: keep prompts whose accuracy over this many samples is in (0, 1)
+
+
+@dataclass
+class RolloutSection:
+    engine: Literal["local", "vllm"] = "local"
+    G: int = 8  # fresh responses per prompt
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_batch_size: int = 64  # sequences decoded together (local engine)
+
+
+@dataclass
+class ReplaySection:
+    enabled: bool = True
+    pool: str | None = None  # JSONL from `keye rlep collect` (None: start empty, online growth only)
+    M: int = 2  # replayed successes per group
+    online: bool = True  # add new verified successes to the pool
+    max_per_question: int | None = None
+    overflow: Literal["drop_new", "drop_oldest"] = "drop_new"
+    match_mode: bool = True  # replay only answers recorded in the prompt's thinking mode
+
+
+@dataclass
+class AlgorithmSection:
+    std: Literal["unbiased", "population", "none"] = "unbiased"  # "none" = Dr.GRPO
+    eps: float = 1e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher
+    dual_clip: float | None = 10.0
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    reference: bool = False  # keep a frozen reference model (needed for kl_coef > 0; KL logged)
+    reference_path: str | None = None  # default: model.path
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer updates per epoch over the rollout batch (whole groups each)
+    micro_batch_size: int = 8  # sequences per forward (padded path)
+    dynamic_sampling: bool = False
+    max_rounds: int = 4
+    oversample: float = 1.0
+    difficulty: Any = None  # None, a preset name (flat, mixed_up, solved_down) or [[pass_rate, scale], ...]
+    mode_mix: dict[str, float] | None = None  # e.g. {think: 1, no_think: 1, auto: 1}; None = prompts as given
+
+
+@dataclass
+class RewardSection:
+    spec: dict[str, Any] = field(default_factory=lambda: {"rewards": ["accuracy", "format"]})  # RewardSpec.from_dict
+    pass_value: float = 1.0  # a response "passed" when its accuracy part is >= this
+
+
+@dataclass
+class TreeSection:
+    enabled: bool | None = None  # None: on when G + M >= 2 (a group shares its prompt)
+    kernel: Literal["efficient", "reference"] = "efficient"
+    groups_per_micro_batch: int = 1  # groups (trees) per forward
+
+
+@dataclass
+class RLTrainSection:
+    stage: Literal["align", "full", "llm_only", "custom"] = "full"
+    freeze: list[str] = field(default_factory=list)
+    lr: float = 1e-6
+    lr_vision: float | None = None
+    lr_projector: float | None = None
+    lr_llm: float | None = None
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "linear", "constant"] = "constant"
+    min_lr_ratio: float = 0.1
+    steps: int = 100  # RL steps (rollout batches)
+    grad_clip: float = 1.0
+    seed: int = 0
+    strategy: Literal["none", "ddp"] = "none"
+    device: str = "auto"
+
+
+@dataclass
+class RLCheckpointSection:
+    out_dir: str = "runs/rlep"
+    save_every: int = 0
+    keep_last: int = 2
+    export: bool = True
+
+
+@dataclass
+class RLLogSection:
+    every: int = 1
+    progress: bool = True
+    tensorboard: bool = False
+
+
+@dataclass
+class EvalSection:
+    manifest: str | None = None  # held-out manifest; None disables evaluation
+    limit: int | None = 100
+    every: int = 0  # steps between evaluations (0: only before and after training)
+    max_new_tokens: int = 32
+    batch_size: int = 16
+
+
+@dataclass
+class RLEPConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: RLDataSection = field(default_factory=RLDataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    tree: TreeSection = field(default_factory=TreeSection)
+    train: RLTrainSection = field(default_factory=RLTrainSection)
+    checkpoint: RLCheckpointSection = field(default_factory=RLCheckpointSection)
+    log: RLLogSection = field(default_factory=RLLogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+
+def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
+    """Cross-field checks; raises :class:`KeyeConfigError` naming the key."""
+    a, r = cfg.algorithm, cfg.rollout
+    if r.G < 1:
+        raise KeyeConfigError(f"rollout.G must be >= 1, got {r.G}")
+    if cfg.replay.M < 0:
+        raise KeyeConfigError(f"replay.M must be >= 0, got {cfg.replay.M}")
+    if cfg.data.prompts_per_step < 1 or cfg.data.prompts_per_step % world_size:
+        raise KeyeConfigError(f"data.prompts_per_step ({cfg.data.prompts_per_step}) must be a positive multiple of "
+                              f"the world size ({world_size})")
+    if a.kl_coef and not a.reference:
+        raise KeyeConfigError("algorithm.kl_coef > 0 needs algorithm.reference: true")
+    for key in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_rounds"):
+        if getattr(a, key) < 1:
+            raise KeyeConfigError(f"algorithm.{key} must be >= 1, got {getattr(a, key)}")
+    if cfg.tree.groups_per_micro_batch < 1:
+        raise KeyeConfigError(f"tree.groups_per_micro_batch must be >= 1, got {cfg.tree.groups_per_micro_batch}")
+    if a.difficulty is not None:
+        DifficultyCurve.from_config(a.difficulty)
+    ModeMix.from_config(a.mode_mix)
+    if cfg.train.steps < 1:
+        raise KeyeConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
+
+
+def tree_enabled(cfg: RLEPConfig) -> bool:
+    """Whether the shared-prefix path is used: ``tree.enabled``, or (None) when a group has >= 2 members."""
+    if cfg.tree.enabled is not None:
+        return cfg.tree.enabled
+    m = cfg.replay.M if cfg.replay.enabled else 0
+    return cfg.rollout.G + m >= 2
+
+
+# ------------------------------------------------------------------------------------ prompt stream
+class PromptStream:
+    """An endless stream of this rank's prompts: per epoch a permutation seeded by ``(seed, epoch)``
+    (identity without ``shuffle``), rank ``r`` of ``w`` reads positions ``r, r + w, ...``."""
+
+    def __init__(self, prompts: Sequence[RLPrompt], seed: int, rank: int, world: int, shuffle: bool):
+        if len(prompts) < world:
+            raise KeyeConfigError(f"{len(prompts)} RL prompts cannot feed {world} ranks")
+        self.prompts, self.seed, self.rank, self.world, self.shuffle = list(prompts), seed, rank, world, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        idx = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(idx)
+        return idx[self.rank :: self.world]
+
+    def draw(self, k: int) -> list[RLPrompt]:
+        """The next ``k`` prompts (rolling into the next epoch)."""
+        out = []
+        while len(out) < k:
+            if self.pos >= len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            out.append(self.prompts[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """Cursor (epoch, position)."""
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._epoch_order()
+
+
+class RunState:
+    """What a checkpoint holds besides model/optimizer/scheduler (passed as the SFT ``loader``):
+    every rank's prompt cursor and rollout generator state, and the (rank-identical) replay pool.
+
+    :meth:`snapshot` is collective (call it on every rank before saving); :meth:`state_dict` returns it.
+    """
+
+    def __init__(self, stream: PromptStream, pool: ReplayPool, engine: Any, rank: int):
+        self.stream, self.pool, self.engine, self.rank = stream, pool, engine, rank
+        self._snap: dict[str, Any] | None = None
+
+    def snapshot(self) -> None:
+        """Gather the per-rank pieces (collective)."""
+        mine = {"stream": self.stream.state_dict(),
+                "engine": self.engine.state_dict() if hasattr(self.engine, "state_dict") else None}
+        ranks = _all_gather(mine)
+        self._snap = {"ranks": ranks, "pool": self.pool.state_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last :meth:`snapshot`."""
+        if self._snap is None:
+            raise KeyeConfigError("RunState.snapshot() must run on every rank before saving")
+        return self._snap
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's cursor and generator and the pool."""
+        ranks = state["ranks"]
+        if len(ranks) != self.stream.world:
+            raise KeyeConfigError(f"checkpoint was written by {len(ranks)} ranks; resume with the same world size "
+                                  f"(now {self.stream.world})")
+        self.stream.load_state_dict(ranks[self.rank]["stream"])
+        if ranks[self.rank]["engine"] is not None and hasattr(self.engine, "load_state_dict"):
+            self.engine.load_state_dict(ranks[self.rank]["engine"])
+        self.pool.load_state_dict(state["pool"])
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum a dict of floats over ranks (same keys on every rank)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**62)
+
+
+# ---------------------------------------------------------------------------------- tree passes
+def _placeholder_ids(core: Any) -> list[int]:
+    return [int(getattr(core.config, k)) for k in ("image_token_id", "video_token_id") if getattr(core.config, k, None) is not None]
+
+
+def _tree_ok(group: Sequence[RolloutSample], placeholders: list[int]) -> bool:
+    """A group can be shared unless a response sampled a vision placeholder id (those decode as text, which
+    the tree's vision bookkeeping cannot express; such groups take the padded path)."""
+    ph = torch.tensor(placeholders, dtype=torch.long)
+    return not any(bool(torch.isin(s.response_ids, ph).any()) for s in group)
+
+
+def _group_rows(samples: Sequence[RolloutSample]) -> list[list[RolloutSample]]:
+    """Live samples (with tokens) grouped by ``group``, groups in order of first appearance."""
+    groups: dict[int, list[RolloutSample]] = {}
+    for s in samples:
+        if s.num_tokens > 0:
+            groups.setdefault(s.group, []).append(s)
+    return list(groups.values())
+
+
+def tree_forward(core: Any, groups: Sequence[Sequence[RolloutSample]], *, temperature: float, kernel: str,
+                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs of every response of ``groups`` from one forest forward (each prompt computed once).
+
+    Returns logp float32 [B, T], mask bool [B, T] and entropy [B, T] (or None); rows follow the groups'
+    samples in order.
+    """
+    from keye.rl.tree import VisionInputs, build_group_tree, concat_trees, tree_logprobs
+
+    dtype = core.lm_head.weight.dtype
+    trees = []
+    for g in groups:
+        inp = g[0].inputs
+        vis = VisionInputs(
+            pixel_values=None if inp.pixel_values is None else inp.pixel_values.to(dtype),
+            image_grid_thw=inp.image_grid_thw,
+            pixel_values_videos=None if inp.pixel_values_videos is None else inp.pixel_values_videos.to(dtype),
+            video_grid_thw=inp.video_grid_thw, second_per_grid_ts=inp.second_per_grid_ts,
+        )
+        trees.append(build_group_tree(core.config, inp.input_ids, [s.response_ids for s in g], vis))
+    out = tree_logprobs(core, concat_trees(trees), kernel=kernel, temperature=temperature, entropy=entropy)
+    return out[0], out[1], (out[2] if entropy else None)
+
+
+@torch.no_grad()
+def tree_fill_logprobs(core: Any, samples: Sequence[RolloutSample], *, pad_id: int, groups_per_micro_batch: int,
+                       temperature: float, kernel: str, target: str = "old_logp", micro_batch_size: int = 8) -> None:
+    """:func:`keye.rl.fill_logprobs` through shared-prefix trees (groups with sampled placeholder ids fall
+    back to the padded path); sets ``sample.<target>``."""
+    was_training = core.training
+    core.eval()
+    try:
+        ph = _placeholder_ids(core)
+        groups = _group_rows(samples)
+        shared = [g for g in groups if _tree_ok(g, ph)]
+        rest = [s for g in groups if not _tree_ok(g, ph) for s in g]
+        for i in range(0, len(shared), groups_per_micro_batch):
+            chunk = shared[i : i + groups_per_micro_batch]
+            logp, _, _ = tree_forward(core, chunk, temperature=temperature, kernel=kernel, entropy=False)
+            for row, s in zip(logp, [s for g in chunk for s in g]):
+                setattr(s, target, row[: s.num_tokens].float().cpu())
+        if rest:
+            fill_logprobs(core, rest, pad_id=pad_id, micro_batch_size=micro_batch_size, temperature=temperature,
+                          target=target)
+    finally:
+        core.train(was_training)
+
+
+def tree_accumulate(core: Any, samples: Sequence[RolloutSample], *, pad_id: int, groups_per_micro_batch: int,
+                    micro_batch_size: int, temperature: float, kernel: str, loss_kwargs: dict[str, Any],
+                    with_entropy: bool = True) -> dict[str, float]:
+    """:func:`keye.rl.accumulate_policy_gradients` with the policy forward over shared-prefix trees.
+
+    Same contract: micro-batch losses normalised by the global token/sequence counts of the mini-batch
+    (all ranks), multiplied by the world size before backward (the caller averages gradients over ranks),
+    same stats. Groups containing sampled vision placeholder ids go through the padded core path.
+    """
+    kwargs = dict(loss_kwargs)
+    use_ref = bool(kwargs.get("kl_coef", 0.0))
+    ph = _placeholder_ids(core)
+    groups = _group_rows(samples)
+    shared = [g for g in groups if _tree_ok(g, ph)]
+    rest = [s for g in groups if not _tree_ok(g, ph) for s in g]
+    excl = torch.tensor(ph, dtype=torch.long)
+    live = [s for g in groups for s in g]
+    loss_tokens = [int((~torch.isin(s.response_ids[: s.num_tokens], excl)).sum()) for s in live]
+    device = core.lm_head.weight.device
+    counts = _reduce_sums({"tok": float(sum(loss_tokens)), "seq": float(sum(1 for k in loss_tokens if k > 0))}, device)
+    n_tok, n_seq = counts["tok"], counts["seq"]
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    totals: dict[str, float] = {}
+    weight_sum = loss_sum = 0.0
+
+    def _add(loss: torch.Tensor, stats: dict[str, float]) -> None:
+        nonlocal weight_sum, loss_sum
+        loss_sum += float(loss.detach())
+        w = stats["num_tokens"]
+        weight_sum += w
+        for k, v in stats.items():
+            if k not in ("num_tokens", "pg_loss", "ratio_max", "ratio_min"):
+                totals[k] = totals.get(k, 0.0) + v * w
+        totals["ratio_max"] = max(totals.get("ratio_max", float("-inf")), stats["ratio_max"])
+        totals["ratio_min"] = min(totals.get("ratio_min", float("inf")), stats["ratio_min"])
+
+    for i in range(0, len(shared), groups_per_micro_batch):
+        chunk = shared[i : i + groups_per_micro_batch]
+        rows = [s for g in chunk for s in g]
+        logp, mask, ent = tree_forward(core, chunk, temperature=temperature, kernel=kernel, entropy=with_entropy)
+        t = logp.shape[1]
+        old = torch.zeros(len(rows), t)
+        ref = torch.zeros(len(rows), t)
+        for j, s in enumerate(rows):
+            old[j, : s.num_tokens] = s.old_logp[: s.num_tokens]
+            if use_ref:
+                ref[j, : s.num_tokens] = s.ref_logp[: s.num_tokens]
+        adv = torch.tensor([float(s.advantage) for s in rows], dtype=torch.float32)
+        loss, stats = policy_loss(logp, old.to(device), adv.to(device), mask, ref_logp=ref.to(device) if use_ref else None,
+                                  entropy=ent, global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
+                                  **kwargs)
+        (loss * world).backward()
+        _add(loss, stats)
+    for i in range(0, len(rest), micro_batch_size):
+        mb = rest[i : i + micro_batch_size]
+        batch = collate_samples(mb, pad_id, ph)
+        out = token_logprobs(core, batch, batch["responses"], batch["response_attention"], temperature=temperature,
+                             with_entropy=with_entropy)
+        loss, stats = policy_loss(
+            out.logp, batch["old_logp"].to(device), batch["advantages"].to(device), batch["response_mask"].to(device),
+            ref_logp=batch["ref_logp"].to(device) if use_ref else None, entropy=out.entropy,
+            global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), **kwargs)
+        (loss * world).backward()
+        _add(loss, stats)
+    result = {k: (v / weight_sum if weight_sum and k not in ("ratio_max", "ratio_min") else v) for k, v in totals.items()}
+    result.update(loss=loss_sum, tokens=n_tok, sequences=n_seq)
+    return result
+
+
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Data parallelism: sum every trainable gradient over ranks and divide by the world size (missing
+    gradients count as zeros, so every rank applies the same update)."""
+    if world == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
+# ---------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], scorer: RewardScorer, *,
+                    max_new_tokens: int, batch_size: int) -> dict[str, float]:
+    """Held-out accuracy: greedy answers scored by the reward's accuracy part (``passed``).
+
+    Returns ``{"accuracy": fraction in [0, 1], "n": number of prompts}``.
+    """
+    from keye.processing.chat import apply_mode
+    from keye.rl.logprobs import model_inputs as vision_inputs
+    from keye.rl.rollout import split_batch
+
+    was_training = model.training
+    model.eval()
+    eos = list(model.config.eos_token_ids)
+    pad = int(processor.pad_token_id)
+    correct = 0
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = list(prompts[i : i + batch_size])
+            batch = processor([apply_mode(p.messages, p.mode) for p in chunk], return_tensors="pt")
+            inputs = split_batch(batch, processor.image_token_id, processor.video_token_id,
+                                 processor.image_processor.config.merge_size)
+            gen = collate_prompts(inputs, pad)
+            seqs = model.generate(gen["input_ids"].to(model.device), gen["attention_mask"].to(model.device),
+                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                                  **vision_inputs(gen, model.device, model.dtype))
+            new = seqs[:, gen["input_ids"].shape[1] :].cpu()
+            lengths = response_lengths(new, eos)
+            samples = [RolloutSample(prompt=p, group=j, inputs=inp, response_ids=row[:k].clone(),
+                                     text=processor.decode(row[:k], skip_special_tokens=True), finished=True)
+                       for j, (p, inp, row, k) in enumerate(zip(chunk, inputs, new, lengths.tolist()))]
+            correct += sum(bool(x) for x in scorer(samples).passed)
+    finally:
+        model.train(was_training)
+    return {"accuracy": correct / max(len(prompts), 1), "n": float(len(prompts))}
+
+
+# ------------------------------------------------------------------------------------------ main
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Run the RL recipe as configured; returns the run summary (also written to ``summary.json``).
+
+    ``stop_after`` stops after that many RL steps *of this invocation* without the final save (simulates a
+    crash in resume tests). The summary holds per-step ``losses`` (mean over the step's optimizer updates),
+    ``rewards`` (mean fresh reward), ``pass_rates`` and the ``eval_curve``.
+    """
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+    from keye.rewards import RewardSpec
+
+    info = kdist.init_distributed(cfg.train.device)
+    validate(cfg, info.world_size)
+    out_dir = Path(cfg.checkpoint.out_dir)
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out_dir / "config.yaml")
+    kdist.barrier()
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+
+    model_path = resolve_model_path(cfg.model.path)
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if info.device.type == "cuda" else "float32"
+    model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
+    processor = KeyeProcessor.from_pretrained(resolve_model_path(cfg.model.processor or cfg.model.path))
+    model.to(info.device)
+    model.train()
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    frozen = apply_freezing(model, cfg.train)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ref_model = None
+    if cfg.algorithm.reference:
+        ref_path = resolve_model_path(cfg.algorithm.reference_path or cfg.model.path)
+        ref_model = KeyeVL.from_pretrained(ref_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
+        ref_model.to(info.device).eval().requires_grad_(False)
+
+    r = cfg.rollout
+    if r.engine == "local":
+        engine: Any = LocalRollout(model, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                   top_p=r.top_p, top_k=r.top_k, max_batch_size=r.max_batch_size,
+                                   seed=_step_seed(cfg.train.seed, 0, info.rank))
+    else:
+        engine = VLLMRollout(model_path, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                             top_p=r.top_p, top_k=r.top_k, seed=_step_seed(cfg.train.seed, 0, info.rank))
+    spec = RewardSpec.from_dict(cfg.reward.spec)
+    scorer = RewardScorer(spec, pass_value=cfg.reward.pass_value)
+    eos_id = int(model.config.eos_token_ids[0])
+    pad_id = int(processor.pad_token_id)
+
+    def encode(text: str) -> list[int]:
+        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    replay_on = cfg.replay.enabled and cfg.replay.M > 0
+    m_replay = cfg.replay.M if replay_on else 0
+    if replay_on and cfg.replay.pool:
+        pool = ReplayPool.load_jsonl(cfg.replay.pool, max_per_question=cfg.replay.max_per_question,
+                                     overflow=cfg.replay.overflow, seed=cfg.train.seed)
+    else:
+        pool = ReplayPool(cfg.replay.max_per_question, cfg.replay.overflow, seed=cfg.train.seed)
+
+    prompts = load_rl_prompts(cfg.data.manifest)
+    if cfg.data.limit is not None:
+        prompts = prompts[: cfg.data.limit]
+    if not prompts:
+        raise KeyeConfigError(f"{cfg.data.manifest}: no RL prompts")
+    eval_prompts: list[RLPrompt] = []
+    if cfg.eval.manifest:
+        eval_prompts = load_rl_prompts(cfg.eval.manifest)[: cfg.eval.limit]
+    # held-out accuracy = the reward's accuracy part alone (same answer checking options as training)
+    eval_scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"], "options": _reward_options(cfg.reward.spec)}),
+                               pass_value=cfg.reward.pass_value)
+
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.train), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train, cfg.train.steps))
+    wrapped = kdist.Wrapped(model, model, "none")
+
+    state: dict[str, Any] = {"step": 0, "losses": [], "rewards": [], "pass_rates": [], "eval_curve": [],
+                             "prompt_ids": None, "tokens": 0}
+    ckpts = list_checkpoints(out_dir)
+    resume_blob = None
+    if ckpts:
+        resume_blob = torch.load(ckpts[-1] / "trainer_state.pt", weights_only=False)["trainer"]
+    if resume_blob is not None and resume_blob.get("prompt_ids") is not None:
+        keep = set(resume_blob["prompt_ids"])
+        prompts = [p for p in prompts if p.id in keep]
+    elif cfg.data.filter_samples > 0:
+        prompts = _filter(prompts, engine, scorer, cfg, info)
+        if not prompts:
+            raise KeyeConfigError("prompt filtering kept no prompt (every accuracy was 0 or 1)")
+    state["prompt_ids"] = [p.id for p in prompts] if cfg.data.filter_samples > 0 else None
+    stream = PromptStream(prompts, cfg.train.seed, info.rank, info.world_size, cfg.data.shuffle)
+    run_state = RunState(stream, pool, engine, info.rank)
+    if ckpts:
+        state = load_checkpoint(ckpts[-1], wrapped, optimizer, scheduler, run_state, info, False)
+        if info.is_main:
+            log.info("resumed from %s at step %d", ckpts[-1], state["step"])
+
+    metrics = MetricsWriter(out_dir, info.is_main, cfg.log.tensorboard)
+    bar = None
+    if info.is_main and cfg.log.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.train.steps, initial=state["step"], desc="rlep" if m_replay else "grpo", dynamic_ncols=True)
+    use_tree = tree_enabled(cfg)
+    a = cfg.algorithm
+    mix = ModeMix.from_config(a.mode_mix)
+    loss_kwargs = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
+                       loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                       entropy_coef=a.entropy_coef)
+    per_rank = cfg.data.prompts_per_step // info.world_size
+
+    def evaluate(step: int) -> None:
+        if not eval_prompts:
+            return
+        if info.is_main:
+            res = greedy_accuracy(model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
+                                  batch_size=cfg.eval.batch_size)
+            state["eval_curve"].append({"step": step, **res})
+            metrics.write(step, {"eval/accuracy": res["accuracy"], "eval/n": res["n"]})
+            (out_dir / "eval_curve.json").write_text(json.dumps(state["eval_curve"], indent=2))
+        state["eval_curve"] = kdist.broadcast_object(state["eval_curve"])
+
+    def save(step: int) -> None:
+        run_state.snapshot()
+        save_checkpoint(out_dir / f"step_{step:08d}", wrapped, optimizer, scheduler, run_state, state, processor,
+                        info, False)
+        if info.is_main:
+            prune_checkpoints(out_dir, cfg.checkpoint.keep_last)
+
+    if state["step"] == 0 and not state["eval_curve"]:
+        evaluate(0)
+    t_start = time.time()
+    steps_this_run = 0
+    while state["step"] < cfg.train.steps:
+        step = state["step"] + 1
+        seed = _step_seed(cfg.train.seed, step, info.rank)
+        if isinstance(engine, LocalRollout):
+            engine.generator.manual_seed(seed)
+        replay_rng = random.Random(seed)
+        mode_rng = random.Random(seed + 1)
+        t0 = time.time()
+        timing = {"rollout": 0.0, "score": 0.0}
+
+        def produce(batch_prompts: Sequence[RLPrompt], mode_rng: random.Random = mode_rng,
+                    replay_rng: random.Random = replay_rng, timing: dict[str, float] = timing,
+                    ) -> list[list[RolloutSample]]:
+            ps = mix.assign(batch_prompts, mode_rng) if mix is not None else list(batch_prompts)
+            t = time.time()
+            fresh = engine.generate(ps, r.G)
+            samples = add_replay(fresh, pool, m_replay, encode=encode, eos_id=eos_id, max_response_len=r.max_new_tokens,
+                                 rng=replay_rng, match_mode=cfg.replay.match_mode) if m_replay else fresh
+            timing["rollout"] += time.time() - t
+            t = time.time()
+            scores = scorer(samples)
+            set_scores(samples, scores)
+            for s, parts in zip(samples, scores.parts):
+                s.metadata["reward_parts"] = parts
+            timing["score"] += time.time() - t
+            groups: dict[int, list[RolloutSample]] = {}
+            for s in samples:
+                groups.setdefault(s.group, []).append(s)
+            return [groups[i] for i in range(len(ps))]
+
+        if a.dynamic_sampling:
+            res = dynamic_sample(stream.draw, produce, per_rank,
+                                 rewards_of=lambda g: [s.reward for s in g if s.valid],
+                                 max_rounds=a.max_rounds, oversample=a.oversample)
+            groups, ds_stats = res.groups, res.stats()
+        else:
+            groups, ds_stats = produce(stream.draw(per_rank)), {}
+        samples = []
+        for gi, g in enumerate(groups):
+            for s in g:
+                s.group = gi
+                samples.append(s)
+        if samples:
+            assign_advantages(samples, std=a.std, eps=a.eps, difficulty=a.difficulty)
+        fresh = [s for s in samples if s.source == "rollout"]
+        pool_added = 0
+        if replay_on and cfg.replay.online:
+            mine = [(s.prompt.id, s.prompt.mode, s.text, [int(t) for t in s.response_ids], float(s.reward))
+                    for s in fresh if s.passed]
+            for rows in _all_gather(mine):
+                pool_added += _add_online(pool, rows, step)
+
+        t = time.time()
+        if use_tree:
+            tree_fill_logprobs(model, samples, pad_id=pad_id, groups_per_micro_batch=cfg.tree.groups_per_micro_batch,
+                               temperature=r.temperature, kernel=cfg.tree.kernel, micro_batch_size=a.micro_batch_size)
+            if ref_model is not None:
+                tree_fill_logprobs(ref_model, samples, pad_id=pad_id, target="ref_logp",
+                                   groups_per_micro_batch=cfg.tree.groups_per_micro_batch, temperature=r.temperature,
+                                   kernel=cfg.tree.kernel, micro_batch_size=a.micro_batch_size)
+        else:
+            fill_logprobs(model, samples, pad_id=pad_id, micro_batch_size=a.micro_batch_size, temperature=r.temperature)
+            if ref_model is not None:
+                fill_logprobs(ref_model, samples, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
+                              temperature=r.temperature, target="ref_logp")
+        timing["old_logprob"] = time.time() - t
+
+        t = time.time()
+        gen = torch.Generator().manual_seed(seed)
+        group_ids = torch.tensor([s.group for s in samples], dtype=torch.long)
+        n_groups = len(groups)
+        per_mb = max(1, -(-n_groups // a.mini_batches))
+        update_stats: list[dict[str, float]] = []
+        grad_norms: list[float] = []
+        for _ in range(a.ppo_epochs):
+            mbs = group_minibatches(group_ids, per_mb, generator=gen) if samples else []
+            # every rank runs exactly mini_batches updates (collectives inside), empty ones included
+            mbs = list(mbs) + [torch.zeros(0, dtype=torch.long)] * (a.mini_batches - len(mbs))
+            for idx in mbs:
+                chosen = [samples[i] for i in idx.tolist()]
+                if use_tree:
+                    st = tree_accumulate(model, chosen, pad_id=pad_id,
+                                         groups_per_micro_batch=cfg.tree.groups_per_micro_batch,
+                                         micro_batch_size=a.micro_batch_size, temperature=r.temperature,
+                                         kernel=cfg.tree.kernel, loss_kwargs=loss_kwargs)
+                else:
+                    st = accumulate_policy_gradients(model, chosen, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
+                                                     temperature=r.temperature, loss_kwargs=loss_kwargs,
+                                                     with_entropy=True)
+                _average_gradients(trainable, info.world_size)
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.train.grad_clip)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                update_stats.append(st)
+        scheduler.step()
+        if isinstance(engine, VLLMRollout):
+            engine.sync_weights(model.state_dict())  # the next rollouts sample from the updated policy
+        timing["update"] = time.time() - t
+
+        row = _step_metrics(samples, update_stats, info.device)
+        row.update({f"time/{k}": v for k, v in timing.items()})
+        row.update(ds_stats)
+        row.update(pool.stats())
+        row["pool/added"] = float(pool_added)
+        row["grad_norm"] = _mean(grad_norms)
+        row["lr"] = scheduler.get_last_lr()[0]
+        dt = time.time() - t0
+        step_tokens = row.pop("_tokens")
+        row["tokens_per_s"] = step_tokens / max(dt, 1e-9)
+        state["step"] = step
+        state["tokens"] += int(step_tokens)
+        state["losses"].append(row["loss"])
+        state["rewards"].append(row["reward/mean"])
+        state["pass_rates"].append(row["pass_rate"])
+        steps_this_run += 1
+        if step % cfg.log.every == 0:
+            metrics.write(step, row)
+        if bar is not None:
+            bar.set_postfix(reward=f"{row['reward/mean']:.3f}", pass_=f"{row['pass_rate']:.2f}",
+                            replay=f"{row['replay_share']:.2f}", clip=f"{row['clip_frac']:.3f}",
+                            kl=f"{row.get('kl', row['approx_kl']):.4f}", ent=f"{row['entropy']:.2f}",
+                            len=f"{row['response_length']:.1f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+            evaluate(step)
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < cfg.train.steps:
+            save(step)
+        if stop_after is not None and steps_this_run >= stop_after and step < cfg.train.steps:
+            break
+    if bar is not None:
+        bar.close()
+    finished = state["step"] >= cfg.train.steps
+    if finished:
+        evaluate(state["step"])
+        save(state["step"])
+        if info.is_main:
+            if cfg.checkpoint.export:
+                final = out_dir / "final"
+                shutil.rmtree(final, ignore_errors=True)
+                shutil.copytree(out_dir / f"step_{state['step']:08d}" / "model", final)
+            if replay_on:
+                pool.save_jsonl(out_dir / "pool.jsonl")
+    summary = {
+        "finished": finished,
+        "steps": state["step"],
+        "losses": state["losses"],
+        "rewards": state["rewards"],
+        "pass_rates": state["pass_rates"],
+        "eval_curve": state["eval_curve"],
+        "tokens": state["tokens"],
+        "seconds": time.time() - t_start,
+        "tree": use_tree,
+        "replay_M": m_replay,
+        "pool": pool.stats(),
+        "frozen_towers": frozen,
+        "world_size": info.world_size,
+        "strategy": cfg.train.strategy if info.distributed else "none",
+        "prompts": len(prompts),
+    }
+    if info.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        metrics.close()
+        if cfg.log.progress:
+            print(format_summary(summary, out_dir))
+    kdist.barrier()
+    return summary
+
+
+def _reward_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """The options of a reward config mapping (those that tune the accuracy check are reused for eval)."""
+    opts = dict(spec.get("options") or {})
+    opts.update({k: v for k, v in spec.items() if k not in ("rewards", "options")})
+    return opts
+
+
+def _add_online(pool: ReplayPool, rows: list[tuple], step: int) -> int:
+    from keye.rl import ReplayEntry
+
+    added = 0
+    for qid, mode, text, ids, reward in rows:
+        added += pool.add(ReplayEntry(qid, text, ids, reward, {"mode": mode, "source": "online", "step": step}))
+    return added
+
+
+def _filter(prompts: list[RLPrompt], engine: Any, scorer: RewardScorer, cfg: RLEPConfig, info: Any) -> list[RLPrompt]:
+    """Pre-run prompt filtering to sampling accuracy in (0, 1); each rank tests its slice, ids are gathered."""
+    mine = prompts[info.rank :: info.world_size]
+    res = filter_prompts(mine, engine, scorer, cfg.data.filter_samples, batch_prompts=max(1, cfg.data.prompts_per_step))
+    keep = {pid for ids in _all_gather([p.id for p in res.kept]) for pid in ids}
+    return [p for p in prompts if p.id in keep]
+
+
+def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str, float]],
+                  device: torch.device) -> dict[str, float]:
+    """Global (all-rank) step metrics: reward mean and per part, pass rate, replay share, response
+    length of the fresh rollouts, and token-weighted update stats."""
+    fresh = [s for s in samples if s.source == "rollout"]
+    valid = [s for s in samples if s.valid]
+    sums: dict[str, float] = {
+        "n_fresh": float(len(fresh)), "n_valid": float(len(valid)),
+        "reward": sum(float(s.reward) for s in fresh), "passed": float(sum(bool(s.passed) for s in fresh)),
+        "replay": float(sum(s.source == "replay" for s in valid)),
+        "length": float(sum(s.num_tokens for s in fresh)),
+        "tokens": float(sum(s.num_tokens + s.inputs.length for s in valid)),
+        "replay_reward": sum(float(s.reward) for s in valid if s.source == "replay"),
+        "adv_abs": sum(abs(float(s.advantage or 0.0)) for s in valid),
+    }
+    part_names = ("format", "accuracy", "json", "code", "markdown", "steps", "length", "repetition", "overlong")
+    for name in part_names:
+        vals = [s.metadata.get("reward_parts", {}).get(name) for s in fresh]
+        vals = [v for v in vals if v is not None]
+        sums[f"part/{name}"] = float(sum(vals))
+        sums[f"part_n/{name}"] = float(len(vals))
+    stat_keys = ("clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl", "entropy", "kl",
+                 "ratio_mean")
+    n_upd = float(len(update_stats))
+    for k in stat_keys:
+        sums[f"stat/{k}"] = sum(st.get(k, 0.0) for st in update_stats)
+    sums["stat/has_kl"] = float(any("kl" in st for st in update_stats))
+    g = _reduce_sums(sums, device)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    # every rank runs the same number of updates; the global loss of an update is the sum of the rank shares
+    losses = [st.get("loss", 0.0) for st in update_stats]
+    loss_sum = _reduce_sums({"loss": sum(losses)}, device)["loss"]
+    row = {
+        "loss": loss_sum / max(n_upd, 1.0),
+        "reward/mean": g["reward"] / max(g["n_fresh"], 1.0),
+        "pass_rate": g["passed"] / max(g["n_fresh"], 1.0),
+        "replay_share": g["replay"] / max(g["n_valid"], 1.0),
+        "replay_reward": g["replay_reward"] / max(g["replay"], 1.0),
+        "response_length": g["length"] / max(g["n_fresh"], 1.0),
+        "adv_abs_mean": g["adv_abs"] / max(g["n_valid"], 1.0),
+        "_tokens": g["tokens"],
+    }
+    for name in part_names:
+        if g[f"part_n/{name}"]:
+            row[f"reward/{name}"] = g[f"part/{name}"] / g[f"part_n/{name}"]
+    for k in stat_keys:
+        if k == "kl" and not g["stat/has_kl"]:
+            continue
+        row[k] = g[f"stat/{k}"] / max(n_upd * world, 1.0)
+    return row
+
+
+def format_summary(s: dict[str, Any], out_dir: Path) -> str:
+    """A human-readable end-of-run report."""
+    curve = s["eval_curve"]
+    ev = "" if not curve else f", held-out accuracy {curve[0]['accuracy']:.3f} -> {curve[-1]['accuracy']:.3f}"
+    rew = "n/a" if not s["rewards"] else f"{s['rewards'][0]:.3f} -> {s['rewards'][-1]:.3f}"
+    return (f"{'RLEP' if s['replay_M'] else 'GRPO'} {'finished' if s['finished'] else 'stopped'}: {s['steps']} steps, "
+            f"reward {rew}{ev}, tree={s['tree']}, {s['seconds']:.1f}s on {s['world_size']} process(es); "
+            f"outputs in {out_dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``keye train rlep --config CFG.yaml [key=value ...]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="keye train rlep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML recipe config")
+    ap.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. replay.M=0 train.steps=20")
+    args = ap.parse_args(argv)
+    return run_from_args(args.config, args.overrides)
+
+
+def run_from_args(config: str | None, overrides: list[str]) -> int:
+    """Load the config (YAML + overrides), run, tear the process group down."""
+    logging.basicConfig(level=os.environ.get("KEYE_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_config(RLEPConfig, config, overrides)
+    try:
+        train(cfg)
+    finally:
+        kdist.cleanup()
+    return 0
+
+
+__all__ = ["RLEPConfig", "PromptStream", "RunState", "greedy_accuracy", "main", "to_dict", "train", "tree_accumulate",
+           "tree_enabled", "tree_fill_logprobs", "validate"]
