@@ -243,14 +243,21 @@ class KeyeProcessor:
         Raises :class:`KeyeConfigError` for a missing directory, unreachable hub or broken files.
         """
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         d = cls._resolve_dir(path_or_hub_id)
         var = cls.detect_variant(d, variant)
+        # AutoTokenizer also parses the model's config.json, whose Keye model_type transformers does not
+        # know; its warnings about that are noise for a tokenizer load.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
         try:
             # The checkpoint config.json may carry auto_map (remote code); the tokenizer never needs it.
             tokenizer = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
         except Exception as err:  # transformers raises OSError/ValueError/... for broken tokenizer files
             raise KeyeConfigError(f"cannot load the tokenizer from {d}: {err}") from err
+        finally:
+            hf_logging.set_verbosity(verbosity)
         pre = d / "preprocessor_config.json"
         image_config = (
             ImageProcessorConfig.from_file(pre, var) if pre.is_file() else ImageProcessorConfig(variant=var)
