@@ -839,6 +839,8 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         "world_size": info.world_size,
         "strategy": cfg.train.strategy if info.distributed else "none",
         "prompts": len(prompts),
+        # identical on every rank when the replicas stayed in sync (data-parallel sanity check)
+        "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
     if info.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
