@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -25,6 +27,8 @@ BACKENDS = ["pyav", "decord", "torchcodec"]
 
 def _need(backend: str) -> None:
     if backend not in V.available_backends():
+        if os.environ.get("KEYE_REQUIRE_ALL_VIDEO_BACKENDS"):
+            pytest.fail(f"video backend {backend} is required in CI but not usable (install FFmpeg libraries)")
         pytest.skip(
             f"optional video backend {backend} is not usable here (torchcodec needs system FFmpeg libraries)"
         )
