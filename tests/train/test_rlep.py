@@ -230,13 +230,17 @@ def test_kill_and_resume_equals_uninterrupted(tiny_ckpt, rl_set, tmp_path):
 
 @pytest.mark.slow
 def test_tree_on_equals_tree_off(tiny_ckpt, rl_set, tmp_path):
-    args = ("train.steps=2", "algorithm.ppo_epochs=2")
+    # with a reference model and a KL term, so the reference log-prob pass is compared too
+    args = ("train.steps=2", "algorithm.ppo_epochs=2", "algorithm.reference=true", "algorithm.kl_coef=0.05",
+            "algorithm.kl_estimator=k3")
     on = train(_cfg(tiny_ckpt, rl_set, tmp_path / "on", "tree.enabled=true", *args))
     off = train(_cfg(tiny_ckpt, rl_set, tmp_path / "off", "tree.enabled=false", *args))
     assert on["tree"] and not off["tree"]
     assert on["rewards"] == off["rewards"]
     assert on["losses"] == pytest.approx(off["losses"], abs=1e-5)
     assert any(x != 0 for x in on["losses"])
+    kls = [json.loads(x).get("kl") for x in (tmp_path / "on/metrics.jsonl").read_text().splitlines()]
+    assert all(k is not None and k >= 0 for k in kls) and kls[-1] > 0  # k3 >= 0; the policy has left the reference
 
 
 @pytest.mark.slow
