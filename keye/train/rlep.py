@@ -90,6 +90,8 @@ log = logging.getLogger("keye.train.rlep")
 # ----------------------------------------------------------------------------------------- config
 @dataclass
 class RLDataSection:
+    """RL prompts: the manifest, how many per step, order, optional pre-run accuracy filter."""
+
     manifest: str = "data/synth/train.jsonl"  # RL prompt manifest (answer / answer_kind / choices columns)
     limit: int | None = None  # use only the first N prompts
     prompts_per_step: int = 4  # groups per step over all ranks (divisible by the world size)
@@ -99,6 +101,8 @@ class RLDataSection:
 
 @dataclass
 class RolloutSection:
+    """Sampling of the fresh responses (G per prompt) and the engine that does it."""
+
     engine: Literal["local", "vllm"] = "local"
     G: int = 8  # fresh responses per prompt
     max_new_tokens: int = 256
@@ -110,6 +114,8 @@ class RolloutSection:
 
 @dataclass
 class ReplaySection:
+    """RLEP phase B: the pool file, M replayed successes per group, online growth."""
+
     enabled: bool = True
     pool: str | None = None  # JSONL from `keye rlep collect` (None: start empty, online growth only)
     M: int = 2  # replayed successes per group
@@ -121,6 +127,8 @@ class ReplaySection:
 
 @dataclass
 class AlgorithmSection:
+    """Advantages, PPO loss (clip-higher, dual clip, GSPO, KL), update schedule, difficulty awareness."""
+
     std: Literal["unbiased", "population", "none"] = "unbiased"  # "none" = Dr.GRPO
     eps: float = 1e-6
     eps_low: float = 0.2
@@ -145,12 +153,16 @@ class AlgorithmSection:
 
 @dataclass
 class RewardSection:
+    """The reward (a :class:`keye.rewards.RewardSpec` mapping) and the notion of a verified success."""
+
     spec: dict[str, Any] = field(default_factory=lambda: {"rewards": ["accuracy", "format"]})  # RewardSpec.from_dict
     pass_value: float = 1.0  # a response "passed" when its accuracy part is >= this
 
 
 @dataclass
 class TreeSection:
+    """Shared-prefix (tree) forward for the old/reference log-probs and the update."""
+
     enabled: bool | None = None  # None: on when G + M >= 2 (a group shares its prompt)
     kernel: Literal["efficient", "reference"] = "efficient"
     groups_per_micro_batch: int = 1  # groups (trees) per forward
@@ -158,6 +170,8 @@ class TreeSection:
 
 @dataclass
 class RLTrainSection:
+    """Optimisation (fields as in SFT's ``train`` section, ``steps`` = RL steps) and parallelism."""
+
     stage: Literal["align", "full", "llm_only", "custom"] = "full"
     freeze: list[str] = field(default_factory=list)
     lr: float = 1e-6
@@ -178,6 +192,8 @@ class RLTrainSection:
 
 @dataclass
 class RLCheckpointSection:
+    """Where checkpoints go, how often, how many are kept, and the final export."""
+
     out_dir: str = "runs/rlep"
     save_every: int = 0
     keep_last: int = 2
@@ -186,6 +202,8 @@ class RLCheckpointSection:
 
 @dataclass
 class RLLogSection:
+    """Metrics rows (every N steps), progress bar and TensorBoard."""
+
     every: int = 1
     progress: bool = True
     tensorboard: bool = False
@@ -193,6 +211,8 @@ class RLLogSection:
 
 @dataclass
 class EvalSection:
+    """Periodic held-out greedy accuracy (written to metrics and ``eval_curve.json``)."""
+
     manifest: str | None = None  # held-out manifest; None disables evaluation
     limit: int | None = 100
     every: int = 0  # steps between evaluations (0: only before and after training)
@@ -202,6 +222,8 @@ class EvalSection:
 
 @dataclass
 class RLEPConfig:
+    """The whole ``keye train rlep`` config (YAML sections of the same names)."""
+
     model: ModelSection = field(default_factory=ModelSection)
     data: RLDataSection = field(default_factory=RLDataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)

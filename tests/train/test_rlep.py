@@ -183,7 +183,8 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set):
 def test_short_rlep_run_replays_logs_evaluates_and_exports(tiny_ckpt, rl_set, tmp_path):
     cfg = _cfg(tiny_ckpt, rl_set, tmp_path / "run", "train.steps=2", "algorithm.ppo_epochs=2",
                "algorithm.mini_batches=2", "algorithm.dynamic_sampling=true", "algorithm.difficulty=mixed_up",
-               f"eval.manifest={rl_set['test']}", "eval.max_new_tokens=3", "eval.every=1")
+               f"eval.manifest={rl_set['test']}", "eval.max_new_tokens=3", "eval.every=1",
+               "algorithm.mode_mix={think: 1, no_think: 1}")
     summary = train(cfg)
     run = tmp_path / "run"
     assert summary["finished"] and summary["steps"] == 2 and summary["tree"] and summary["replay_M"] == 2
@@ -287,3 +288,16 @@ def test_rlep_collect_cli_writes_a_valid_pool(tiny_ckpt, rl_set, tmp_path):
         assert row["question_id"] in ids and row["token_ids"] and row["metadata"]["source"] == "collect"
     pool = ReplayPool.load_jsonl(out)
     assert len(pool) == len(lines) and all(pool.count(q) <= 3 for q in pool.questions())
+
+
+@pytest.mark.slow
+def test_cli_prompt_filter_reports_an_empty_question_set(tiny_ckpt, rl_set, tmp_path, capsys):
+    """``keye train rlep`` with pre-run filtering: a random policy never answers correctly, so every sampling
+    accuracy is 0, no prompt is in (0, 1), and the command fails with a typed, readable error."""
+    from keye.cli import main as keye_main
+
+    rc = keye_main(["train", "rlep", f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}",
+                    "data.filter_samples=2", "rollout.max_new_tokens=3", f"checkpoint.out_dir={tmp_path / 'f'}",
+                    "log.progress=false", "train.device=cpu"])
+    assert rc == 1
+    assert "prompt filtering kept no prompt" in capsys.readouterr().err
