@@ -16,6 +16,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,7 +110,9 @@ def screenshot(
     exe = browser or find_browser()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="keye_chromium_") as profile:
+    # Chromium's helper processes may still flush into the profile as they exit; a leftover file there
+    # must not turn a good screenshot into an error.
+    with tempfile.TemporaryDirectory(prefix="keye_chromium_", ignore_cleanup_errors=True) as profile:
         # Chromium talks on fds 3 (in) and 4 (out). Our pipe ends are first moved to fds >= 10 so the
         # bash's "3<&a 4>&b" can never overwrite one with the other; no preexec_fn (unsafe with threads).
         to_r, to_w = (_high_fd(fd) for fd in os.pipe())  # we write -> browser fd 3
@@ -127,6 +130,7 @@ def screenshot(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             pass_fds=(to_r, from_w),
+            start_new_session=True,  # its own process group: the renderers go with the browser
         )
         os.close(to_r)
         os.close(from_w)
@@ -165,14 +169,26 @@ def screenshot(
             data = cdp.call("Page.captureScreenshot", session=sid, format="png")["data"]
             out.write_bytes(base64.b64decode(data))
         finally:
+            _close_browser(proc, to_w)
             os.close(to_w)
             os.close(from_r)
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     return out
+
+
+def _close_browser(proc: subprocess.Popen, to_browser: int) -> None:
+    """Ask the browser to quit over the pipe, then end its process group (ours) if it lingers."""
+    if proc.poll() is None:
+        try:
+            os.write(to_browser, json.dumps({"id": 10**9, "method": "Browser.close"}).encode() + b"\0")
+            proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # broken pipe or a hung browser: the group kill below ends it
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # helper processes left in the group we created
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
