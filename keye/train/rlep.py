@@ -138,7 +138,7 @@ class AlgorithmSection:
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
-    reference: bool = False  # keep a frozen reference model (needed for kl_coef > 0; KL logged)
+    reference: bool = False  # keep a frozen reference model (needed for kl_coef > 0; KL is logged when kl_coef > 0)
     reference_path: str | None = None  # default: model.path
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
