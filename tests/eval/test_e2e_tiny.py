@@ -85,3 +85,16 @@ def test_tiny_videoqa_on_a_real_clip(tiny_checkpoint, tmp_path) -> None:
     assert main(argv + ["--max-new-tokens", "3", "--fps", "2", "--no-progress"]) == 0
     result = json.loads((out / "scores.json").read_text())
     assert result["overall"]["total"] == 1
+
+
+@pytest.mark.parametrize("bench", ["mmmu", "mathvista"])
+def test_keye_tiny_alias_runs_the_benchmarks(bench, mmmu_dir, mathvista_dir, tmp_path) -> None:
+    """The embedded default answers the tiny MMMU- and MathVista-format sets and writes the reports."""
+    data = mmmu_dir if bench == "mmmu" else mathvista_dir
+    out = tmp_path / bench
+    argv = ["eval", bench, "--model", "keye-tiny", "--data", str(data), "--out", str(out),
+            "--max-new-tokens", "6", "--batch-size", "4", "--no-progress"]
+    assert main(argv) == 0
+    assert _lines(out / "predictions.jsonl")
+    assert (out / "report.md").is_file() and (out / "report.json").is_file()
+    assert json.loads((out / "report.json").read_text())["model_id"] == "keye-tiny"
