@@ -27,7 +27,7 @@ def main() -> int:
     p.add_argument("--example", type=int, default=0, help="which bundled example to ask")
     p.add_argument("--out", default=str(REPO / "docs" / "demo.png"))
     p.add_argument("--width", type=int, default=1280)
-    p.add_argument("--height", type=int, default=1000)
+    p.add_argument("--height", type=int, default=1100)
     args = p.parse_args()
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     quiet_transformers()
