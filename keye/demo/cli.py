@@ -9,7 +9,7 @@ from keye.demo.chat import add_chat_parser
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register ``keye demo`` and, unless another area already did, ``keye chat``."""
+    """Register ``keye demo`` and ``keye chat``."""
     d = subparsers.add_parser(
         "demo",
         help="start the Gradio video Q&A demo (default model: the embedded keye-tiny)",
@@ -24,10 +24,7 @@ def add_commands(subparsers: Any) -> None:
     d.add_argument("--max-video-seconds", type=float, default=600.0, help="refuse longer uploads")
     d.add_argument("--queue-size", type=int, default=32, help="requests that may wait in the queue")
     d.set_defaults(func=_demo)
-    # ``keye chat`` lives here; an older one-shot version may still be registered by the processing area,
-    # and argparse refuses a second parser of the same name.
-    if "chat" not in subparsers.choices:
-        add_chat_parser(subparsers)
+    add_chat_parser(subparsers)
 
 
 def _demo(args: argparse.Namespace) -> int:

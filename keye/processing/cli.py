@@ -1,4 +1,4 @@
-"""``keye process`` (what the processor makes of a message file) and ``keye chat`` (one-shot generation)."""
+"""``keye process``: what the processor makes of a message file (``keye chat`` lives in :mod:`keye.demo.chat`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _default_dir() -> str | None:
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register ``keye process`` and ``keye chat``."""
+    """Register ``keye process``."""
     p = subparsers.add_parser(
         "process",
         help="show token counts, sampled frames, slow/fast types and grids for a message JSON file",
@@ -37,20 +37,6 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--backend", choices=["pyav", "decord", "torchcodec"], default=None, help="video decoder")
     p.add_argument("--training", action="store_true", help="build labels and count the trained tokens")
     p.set_defaults(func=_process)
-
-    c = subparsers.add_parser("chat", help="ask a Keye-VL checkpoint one question about images / videos")
-    c.add_argument("text", help="the question")
-    c.add_argument("--model", default=None, help="checkpoint directory or hub id (default keye-tiny)")
-    c.add_argument("--image", action="append", default=[], help="image path / URL (repeatable)")
-    c.add_argument("--video", action="append", default=[], help="video path / URL (repeatable)")
-    c.add_argument("--fps", type=float, default=None, help="video sampling rate (default 2)")
-    c.add_argument("--mode", choices=["think", "no_think", "auto"], default=None)
-    c.add_argument("--max-new-tokens", type=int, default=256)
-    c.add_argument("--device", default="cpu")
-    c.add_argument(
-        "--json", action="store_true", help="print the parsed response (analysis/think/answer/boxed)"
-    )
-    c.set_defaults(func=_chat)
 
 
 def _load_messages(path: str) -> Any:
@@ -91,26 +77,4 @@ def _process(args: argparse.Namespace) -> int:
     proc = KeyeProcessor.from_pretrained(where, variant=args.variant, video_backend=args.backend)
     batch = proc(_load_messages(args.messages), mode=args.mode, for_training=args.training)
     print(json.dumps(_summary(proc, batch, args.training), indent=1, default=str))
-    return 0
-
-
-def _chat(args: argparse.Namespace) -> int:
-    from keye.model.keye_vl import KeyeVL
-    from keye.processing.processor import KeyeProcessor
-
-    where = args.model or _default_dir()
-    if where is None:
-        raise KeyeInputError("no --model given and the embedded keye-tiny checkpoint is not installed")
-    proc = KeyeProcessor.from_pretrained(where)
-    model = KeyeVL.from_pretrained(where, device=args.device).eval()
-    content: list[dict[str, Any]] = [{"type": "image", "image": p} for p in args.image]
-    content += [{"type": "video", "video": p, **({"fps": args.fps} if args.fps else {})} for p in args.video]
-    content.append({"type": "text", "text": args.text})
-    batch = proc([{"role": "user", "content": content}], mode=args.mode).to(args.device)
-    out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False)
-    text = proc.decode(out[0, batch["input_ids"].shape[1] :])
-    if args.json:
-        print(json.dumps(vars(proc.parse_response(text)), indent=1, ensure_ascii=False))
-    else:
-        print(text)
     return 0

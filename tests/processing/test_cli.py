@@ -1,4 +1,4 @@
-"""``keye process`` and ``keye chat`` on tiny offline fixtures."""
+"""``keye process`` and ``keye chat`` (the demo area's) on tiny offline fixtures."""
 
 from __future__ import annotations
 
