@@ -1,0 +1,41 @@
+"""The embedded default keye-tiny loads offline and answers held-out synthetic questions in the trained
+answer format (an option letter for multiple choice, a plain number otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+
+from keye import load_tiny
+from keye.data.synth import generate
+from keye.eval.runner import KeyeEngine
+from keye.eval.synth import build_conversation, extract, load_items
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tiny()
+
+
+def test_keye_tiny_loads_offline_and_is_small(tiny):
+    model, proc = tiny
+    assert model.config.variant == "1.5" and 1e6 < model.num_parameters() < 1e7
+    assert proc.image_processor.config.video_defaults["floor_pixels"] == 3136
+    assert proc.token_ids["<|frame|>"] == 512
+
+
+@pytest.mark.slow
+def test_keye_tiny_answers_held_out_questions_in_format(tiny, tmp_path):
+    # The test split is a pure function of (seed, split, index): these are the first items of
+    # data/synth/test.jsonl, which keye-tiny never saw in training.
+    items = load_items(generate(tmp_path, train=0, test=24, seed=0, workers=1, progress=False)["test"])
+    model, proc = tiny
+    answers = KeyeEngine(model, proc, batch_size=12, max_new_tokens=6).generate(
+        [build_conversation(it) for it in items]
+    )
+    for answer, item in zip(answers, items):
+        text = answer.strip()
+        if item["answer_kind"] == "mc":
+            assert len(text) == 1 and text in "ABCDEFGH"[: len(item["choices"])], (text, item["id"])
+        else:
+            assert float(text) >= 0, (text, item["id"])
+        assert extract(answer, item) is not None
