@@ -7,7 +7,7 @@ with heavy optional dependencies (training, demo) load only when used.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -25,14 +25,6 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
-
-if TYPE_CHECKING:  # pragma: no cover
-    from keye.config import KeyeVLConfig, TextConfig, VisionConfig
-    from keye.errors import KeyeConfigError, KeyeError, KeyeInputError, KeyeWeightsError
-    from keye.model.keye_vl import KeyeVL
-    from keye.processing.processor import KeyeProcessor
-    from keye.tiny import load_tiny
-
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
