@@ -253,10 +253,12 @@ class CostModel:
 
     def video_tokens(self, ref: MediaRef) -> tuple[int, list[int]]:
         """(LLM tokens incl. 1.5 frame markers/timestamps, attention segments in patches) of one video."""
-        from keye.processing.video import preview_video_size, sample_frames
+        from keye.processing.video import VideoOptions, preview_video_size, sample_frames
 
-        # The processor's own merge of checkpoint video_defaults and the item's options.
-        opts = self.processor.video_options(ref.options, item=ref.path)
+        # The processor's own merge of checkpoint video_defaults and the item's options (stand-in
+        # processors without checkpoint defaults take the item's options as they are).
+        merge = getattr(self.processor, "video_options", None)
+        opts = merge(ref.options, item=ref.path) if merge else VideoOptions.from_item(ref.options, item=ref.path)
         ip = self.processor.image_processor
         patch, merge = ip.config.patch_size, ip.config.merge_size
         if self.variant == "preview":

@@ -1,8 +1,10 @@
 """Run one RLEP job (used by test_rlep.py under torchrun); args: OUT_DIR [key=value ...].
-Every rank prints ``RANK <r> CHECKSUM <sum of parameters>`` so the test can check the replicas agree."""
+Every rank writes ``checksum_rank<r>.txt`` (the sum of its parameters) into OUT_DIR so the test can check
+that the replicas agree (files, not stdout: torchrun does not guarantee every rank's output reaches it)."""
 
 import os
 import sys
+from pathlib import Path
 
 from keye.train import dist as kdist
 from keye.train.config import load_config
@@ -13,6 +15,7 @@ if __name__ == "__main__":
     cfg = load_config(RLEPConfig, None, [f"checkpoint.out_dir={out_dir}", "train.strategy=ddp", *overrides])
     try:
         summary = train(cfg)
-        print(f"RANK {os.environ.get('RANK', '0')} CHECKSUM {summary['param_checksum']!r}", flush=True)
+        rank = os.environ.get("RANK", "0")
+        (Path(out_dir) / f"checksum_rank{rank}.txt").write_text(repr(summary["param_checksum"]))
     finally:
         kdist.cleanup()
