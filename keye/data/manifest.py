@@ -11,6 +11,24 @@ Each line is a JSON object::
      "answer": "B", "answer_kind": "mc", "choices": ["red", "blue"],   # optional, for eval / RL rewards
      "question_type": "color", "group": "q-17"}                        # optional
 
+**Multi-answer rows** (SFT on several alternative replies to one prompt): a row-level ``"answers"`` list
+replaces the final assistant message; ``messages`` then ends with the user turn the answers reply to::
+
+    {"id": "train-000002",
+     "messages": [{"role": "user", "content": [{"type": "image", "image": "media/000002.png"},
+                                               {"type": "text", "text": "Describe the picture."}]}],
+     "answers": ["A red circle on grey.", "A grey picture with one red circle.", "One red disc."]}
+
+``answers`` must be a non-empty list of non-empty strings and the conversation must not already end with
+an assistant turn (which one would be the target?); either mistake makes the row bad, with its line and id.
+Training on such a row equals training on one ordinary row per answer (prompt + that answer), each answer
+a full sample of the token-mean loss; ``keye train sft`` computes the shared prompt (and its images and
+videos) once per row (``train.tree``, see :mod:`keye.train.sft`). Parsed, the row's ``messages`` end with
+an assistant turn holding the first answer as its content and the whole list under ``"answers"``
+(:data:`ANSWERS_KEY`), so a consumer that does not know multi-answer rows sees an ordinary SFT row and RL /
+evaluation readers, which drop assistant turns, see the prompt; :func:`expand_answers` gives the
+one-conversation-per-answer form.
+
 ``content`` may also be a plain string. Media paths (``image`` / ``video`` values) that are relative are
 resolved against the manifest's root (by default the directory holding the manifest); absolute paths,
 ``file://`` URLs, ``http(s)://`` URLs and ``data:`` URIs are passed through. A video may also be a list of
@@ -33,6 +51,7 @@ from typing import Any
 from keye.errors import KeyeInputError
 
 ROLES = ("system", "user", "assistant")
+ANSWERS_KEY = "answers"  # row-level list of alternative answers; also the key on the parsed final assistant turn
 MEDIA_TYPES = ("image", "video")
 _PASSTHROUGH_PREFIXES = ("http://", "https://", "data:")
 
@@ -84,6 +103,15 @@ class Sample:
         """The RL group id (samples sharing it are kept on one rank), or ``None``."""
         g = self.row.get("group")
         return None if g is None else str(g)
+
+    @property
+    def answers(self) -> list[str] | None:
+        """The alternative answers of a multi-answer row (in file order), or ``None`` for an ordinary row."""
+        return answers_of(self.messages)
+
+    def conversations(self) -> list[list[dict[str, Any]]]:
+        """One conversation per answer (the prompt + that answer); ``[messages]`` for an ordinary row."""
+        return expand_answers(self.messages)
 
     @property
     def modality(self) -> str:
@@ -175,7 +203,8 @@ def parse_row(obj: Any, root: Path) -> tuple[list[dict[str, Any]], list[MediaRef
     Raises:
         ValueError: with a one-line reason when the row does not follow the schema (no ``messages`` list,
             unknown role, empty content, unknown content type, media item without a path, no assistant turn
-            after the last user turn is *not* an error: prompt-only rows are allowed for RL).
+            after the last user turn is *not* an error: prompt-only rows are allowed for RL; a malformed
+            ``answers`` list or ``answers`` after a final assistant turn is).
     """
     if not isinstance(obj, dict):
         raise ValueError(f"row is a JSON {type(obj).__name__}, expected an object")
@@ -207,7 +236,81 @@ def parse_row(obj: Any, root: Path) -> tuple[list[dict[str, Any]], list[MediaRef
         out_msgs.append({"role": role, "content": items})
     if not any(m["role"] == "user" for m in out_msgs):
         raise ValueError("conversation has no user turn")
+    if ANSWERS_KEY in obj:
+        out_msgs.append(_answers_turn(obj[ANSWERS_KEY], out_msgs))
     return out_msgs, media
+
+
+def _answers_turn(answers: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The parsed final assistant turn of a multi-answer row (see the module docstring)."""
+    if not isinstance(answers, list) or not answers:
+        raise ValueError(f"'{ANSWERS_KEY}' must be a non-empty list of answer strings")
+    for k, a in enumerate(answers):
+        if not isinstance(a, str) or not a.strip():
+            raise ValueError(f"{ANSWERS_KEY}[{k}] must be a non-empty string, got {a!r}")
+    if messages[-1]["role"] != "user":
+        raise ValueError(
+            f"'{ANSWERS_KEY}' replaces the final assistant turn, so messages must end with a user turn "
+            f"(messages[{len(messages) - 1}] is a {messages[-1]['role']} turn)"
+        )
+    return {"role": "assistant", "content": [{"type": "text", "text": answers[0]}], ANSWERS_KEY: list(answers)}
+
+
+def answers_of(messages: list[dict[str, Any]]) -> list[str] | None:
+    """The answers list carried by a parsed multi-answer conversation's last turn, else ``None``."""
+    last = messages[-1] if messages else None
+    if isinstance(last, dict) and last.get("role") == "assistant" and ANSWERS_KEY in last:
+        return list(last[ANSWERS_KEY])
+    return None
+
+
+def expand_answers(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A parsed conversation as one conversation per answer: every one shares the prompt's message objects
+    (same media items, in the same order) and ends with an ordinary assistant turn holding its answer.
+    An ordinary conversation comes back unchanged as ``[messages]``."""
+    answers = answers_of(messages)
+    if answers is None:
+        return [messages]
+    prompt = messages[:-1]
+    return [prompt + [{"role": "assistant", "content": [{"type": "text", "text": a}]}] for a in answers]
+
+
+def estimate_cost(cost_model: Any, sample: Sample, *, shared: bool = True) -> Any:
+    """Cost of one sample, multi-answer rows included (``cost_model``: a :class:`keye.data.cost.CostModel`).
+
+    An ordinary row is ``cost_model.estimate(sample)``. A multi-answer row with B answers costs, with
+    ``shared=True`` (one prefix tree: prompt and media once), the prompt plus each answer's extra tokens:
+    ``tokens = P + Σ_b (T_b - P)`` where T_b is answer b's full conversation and P the prompt alone (the
+    few template tokens between them are counted per answer, so this is a small over-estimate), vision
+    FLOPs once, LLM FLOPs ``F(P) + Σ_b (F(T_b) - F(P))``. With ``shared=False`` (each answer its own
+    sample) every field is the sum over the B conversations.
+
+    Raises:
+        KeyeInputError: as ``cost_model.estimate`` (missing or corrupt media, sizing rules).
+    """
+    from dataclasses import replace
+
+    if sample.answers is None:
+        return cost_model.estimate(sample)
+    convs = expand_answers(sample.messages)
+    costs = [cost_model.estimate(replace(sample, messages=c)) for c in convs]
+    if not shared:
+        return replace(
+            costs[0],
+            tokens=sum(c.tokens for c in costs),
+            text_tokens=sum(c.text_tokens for c in costs),
+            media_tokens=sum(c.media_tokens for c in costs),
+            segments=tuple(s for c in costs for s in c.segments),
+            vision_flops=sum(c.vision_flops for c in costs),
+            llm_flops=sum(c.llm_flops for c in costs),
+        )
+    p = cost_model.estimate(replace(sample, messages=sample.messages[:-1]))
+    return replace(
+        costs[0],
+        tokens=p.tokens + sum(c.tokens - p.tokens for c in costs),
+        text_tokens=p.text_tokens + sum(c.text_tokens - p.text_tokens for c in costs),
+        llm_flops=p.llm_flops + sum(c.llm_flops - p.llm_flops for c in costs),
+    )
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -290,7 +393,8 @@ class CheckReport:
         bad_rows: every unusable row (schema errors, then missing/corrupt media and sizing-rule failures),
             sorted by line.
         summary: ``rows``, ``valid``, ``bad``, ``modalities`` (samples per text/image/video/mixed),
-            ``images``, ``videos``, ``video_seconds`` (total duration), ``tokens`` (sum over valid rows;
+            ``images``, ``videos``, ``video_seconds`` (total duration), ``tokens`` (sum over valid rows,
+            a multi-answer row counted as its prefix tree, see :func:`estimate_cost`;
             exact when a processor was given, otherwise the approximation described in
             :func:`check_manifest`), ``tokens_exact`` (bool), ``max_tokens``, ``vision_tflops``, ``llm_tflops``.
     """
@@ -355,7 +459,7 @@ def check_manifest(
     v_fl = l_fl = 0.0
     for s in man.samples:
         try:
-            cost = cm.estimate(s)
+            cost = estimate_cost(cm, s)
         except KeyeInputError as err:
             bad.append(BadRow(s.line, err.reason, s.id))
             continue

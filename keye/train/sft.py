@@ -12,6 +12,22 @@ micro-batches and ranks, and every micro-batch's summed token loss is divided by
 gradient is therefore the mean over all target tokens of the global batch, independent of how tokens
 fall into micro-batches or ranks (not a mean of per-micro-batch means).
 
+Multi-answer rows (a manifest row with an ``answers`` list, see :mod:`keye.data.manifest`) are trained
+as if each answer were its own row: every answer's tokens count in the token-mean like any sample's.
+``train.tree`` chooses how they are computed:
+  ``auto`` (default) a micro-batch holding a multi-answer row runs as one shared-prefix forest
+           (:mod:`keye.rl.tree`): each such row is its prompt once plus one branch per answer, every other
+           row a one-branch tree, so the vision tower and every prompt run once; micro-batches without
+           multi-answer rows take the ordinary packed (or padded) path unchanged;
+  ``on``   every micro-batch runs as a forest;
+  ``off``  multi-answer rows are expanded into one ordinary row per answer inside the micro-batch
+           (prompt and media repeated) and take the packed path: the unshared reference.
+On the same micro-batches all three give the same loss and gradients (in the tree, each distinct token's
+loss is computed once and weighted by the number of answers whose target it is) with the same normaliser;
+only the work differs. In ``data.batch_tokens`` mode micro-batches are planned with the token count of the
+layout that runs (the tree's for ``auto``/``on``, the expanded rows' for ``off``), so ``off`` may put fewer
+rows in a micro-batch; ``data.batch_size`` plans do not depend on it.
+
 Stage presets (``train.stage``), from the Keye reports:
   ``align``    cross-modal alignment: projector only (vision tower and LLM frozen);
   ``full``     multi-task pre-training / SFT: everything trainable;
@@ -28,14 +44,16 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from keye.errors import KeyeConfigError
+from keye.errors import KeyeConfigError, KeyeInputError
 from keye.train import dist as kdist
 from keye.train.config import dump_config, load_config, to_dict
 
@@ -45,6 +63,8 @@ MODEL_INPUT_KEYS = (
     "input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "pixel_values_videos",
     "video_grid_thw", "second_per_grid_ts", "seq_lens", "position_ids",
 )
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -99,6 +119,13 @@ class TrainSection:
     strategy: Literal["none", "ddp", "fsdp2", "zero2", "zero3"] = "none"
     deepspeed_config: str | None = None
     device: str = "auto"
+    # Shared-prefix batches for multi-answer rows (see the module docstring). YAML 1.1 reads a bare on/off
+    # as a boolean, so true/false are accepted too and normalised to "on"/"off".
+    tree: Literal["auto", "on", "off"] | bool = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, bool):
+            self.tree = "on" if self.tree else "off"
 
 
 @dataclass
@@ -431,6 +458,223 @@ class MetricsWriter:
             self.tb.close()
 
 
+# ------------------------------------------------------------------------ multi-answer rows as trees
+@contextmanager
+def _media_once(processor: Any):
+    """While active, ``processor`` decodes each image / video item once and reuses it.
+
+    Every answer of a multi-answer row is rendered by the processor as an ordinary conversation, so its
+    tokens are exactly those of the expanded row; the conversations share the prompt's media items, in the
+    same order, and decoding is deterministic, so the per-item results are memoised by (item number, item)
+    for the duration of one row. A processor without these per-item steps simply decodes once per answer:
+    slower, equally correct.
+    """
+    names = ("_process_image", "_process_video")
+    own = getattr(processor, "__dict__", None)
+    if own is None or any(n in own for n in names) or not all(callable(getattr(processor, n, None)) for n in names):
+        yield
+        return
+    for name in names:
+        method, cache = getattr(processor, name), {}
+
+        def memo(content, row, index, _method=method, _cache=cache):
+            key = (index, repr(sorted(content.items())))
+            if key not in _cache:
+                _cache[key] = _method(content, row, index)
+            return _cache[key]
+
+        setattr(processor, name, memo)  # instance attribute shadows the method; removed below
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(processor, name)
+
+
+class TreeSampleProcessor:
+    """The processor the SFT loader uses when a manifest has multi-answer rows (or ``train.tree=on``).
+
+    Called like :class:`~keye.processing.processor.KeyeProcessor` with one conversation per call (as the
+    loader does). Every row becomes one sample carrying its prefix tree under ``"tree"`` (a one-item
+    list, so the collate functions join them into a per-sample list):
+
+    * an ordinary row: the processor's output unchanged plus its one-branch tree (so the micro-batch can
+      still take the packed path as is);
+    * a multi-answer row: each answer is processed as its own conversation (media decoded once), and the
+      B token sequences with their label masks go to :func:`keye.rl.tree.build_tree`: ``input_ids`` is
+      the serialised tree [1, N] (prompt once), ``labels`` are all -100 (the targets live in the tree, and
+      only :func:`tree_loss` / :func:`unshared_batch` read them), the pixel tensors are the prompt's, once.
+
+    Tree vision inputs hold the grids (and preview ``second_per_grid_ts``) but no pixels: the pixels stay in
+    the sample's top-level tensors, which the collate functions concatenate in sample order.
+
+    Args:
+        processor: the wrapped :class:`~keye.processing.processor.KeyeProcessor` (other attributes, e.g.
+            ``tokenizer``, are delegated to it).
+        config: the model's :class:`~keye.KeyeVLConfig` (token ids, merge size, variant: tree positions).
+    """
+
+    def __init__(self, processor: Any, config: Any):
+        self.processor = processor
+        self.config = config
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("processor", "config"):  # unpickling: no recursion
+            raise AttributeError(name)
+        return getattr(self.processor, name)
+
+    def __call__(self, messages: list, return_tensors: str | None = "pt", for_training: bool = True,
+                 **kwargs: Any) -> dict[str, Any]:
+        """One sample dict for the collate functions (see the class docstring); ``kwargs`` go to the processor."""
+        from keye.data.manifest import expand_answers
+        from keye.rl.tree import VisionInputs, build_tree
+
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        if len(convs) != 1:
+            raise KeyeInputError(f"TreeSampleProcessor takes one conversation per call, got {len(convs)}")
+        branches = expand_answers(convs[0])
+        with _media_once(self.processor):
+            outs = [dict(self.processor([c], return_tensors=return_tensors, for_training=for_training, **kwargs))
+                    for c in branches]
+        first = outs[0]
+        for b, o in enumerate(outs[1:], start=1):
+            for key in ("image_grid_thw", "video_grid_thw"):
+                if (first.get(key) is None) != (o.get(key) is None) or (
+                        first.get(key) is not None and not torch.equal(first[key], o[key])):
+                    raise KeyeInputError(f"answer {b} got other {key} than answer 0 for the same prompt")
+        grids = VisionInputs(image_grid_thw=first.get("image_grid_thw"), video_grid_thw=first.get("video_grid_thw"),
+                             second_per_grid_ts=first.get("second_per_grid_ts"))
+        tree = build_tree(self.config, [o["input_ids"][0] for o in outs],
+                          [o["labels"][0] != IGNORE_INDEX for o in outs], grids)
+        out = {k: v for k, v in first.items() if k in VISION_KEYS}
+        if len(outs) == 1:
+            out.update(input_ids=first["input_ids"], labels=first["labels"])
+        else:
+            out.update(input_ids=tree.input_ids, labels=torch.full_like(tree.input_ids, IGNORE_INDEX))
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+        out["tree"] = [tree]
+        return out
+
+
+class TreeCostModel:
+    """Cost model for the SFT loader with multi-answer rows: :func:`keye.data.manifest.estimate_cost` over
+    ``base`` (a :class:`~keye.data.cost.CostModel`), the tree's cost (``shared=True``) or the expanded rows'."""
+
+    def __init__(self, base: Any, shared: bool):
+        self.base, self.shared = base, shared
+
+    def estimate(self, sample: Any) -> Any:
+        from keye.data.manifest import estimate_cost
+
+        return estimate_cost(self.base, sample, shared=self.shared)
+
+
+def _trees(mb: dict[str, Any]) -> list[Any] | None:
+    """The per-sample trees of a micro-batch, or None (plain loader, or every sample failed to load)."""
+    trees = mb.get("tree")
+    return trees if trees and int(mb.get("num_samples", 0)) > 0 else None
+
+
+def has_multi_answer(mb: dict[str, Any]) -> bool:
+    """Whether the micro-batch holds a row with two or more answers."""
+    return any(t.num_branches > 1 for t in _trees(mb) or [])
+
+
+def use_tree_path(mb: dict[str, Any], mode: str) -> bool:
+    """Whether ``mb`` runs as a shared-prefix forest under ``train.tree = mode``."""
+    if _trees(mb) is None or mode == "off":
+        return False
+    return mode == "on" or has_multi_answer(mb)
+
+
+def target_tokens(mb: dict[str, Any]) -> int:
+    """Loss tokens of a micro-batch counted as in the unshared computation (every answer's own tokens)."""
+    trees = _trees(mb)
+    if trees is None:
+        return int(mb["num_label_tokens"])
+    return sum(int(t.loss_mask.sum()) for t in trees)
+
+
+def _split_vision(mb: dict[str, Any], trees: list[Any]) -> list[dict[str, torch.Tensor]]:
+    """Each sample's own slice of the micro-batch's vision tensors (samples own consecutive grid rows; a
+    grid row [t, h, w] owns t*h*w pixel rows; preview videos have one ``second_per_grid_ts`` per row)."""
+    at = dict.fromkeys(VISION_KEYS, 0)
+    out = []
+    for t in trees:
+        own: dict[str, torch.Tensor] = {}
+        for grid_key, pix_key in (("image_grid_thw", "pixel_values"), ("video_grid_thw", "pixel_values_videos")):
+            grid = getattr(t.vision, grid_key)
+            if grid is None or grid.shape[0] == 0:
+                continue
+            rows, pix = grid.shape[0], int(grid.prod(-1).sum())
+            own[grid_key] = mb[grid_key][at[grid_key] : at[grid_key] + rows]
+            own[pix_key] = mb[pix_key][at[pix_key] : at[pix_key] + pix]
+            at[grid_key] += rows
+            at[pix_key] += pix
+            if grid_key == "video_grid_thw" and mb.get("second_per_grid_ts") is not None:
+                own["second_per_grid_ts"] = mb["second_per_grid_ts"][at["second_per_grid_ts"] : at["second_per_grid_ts"] + rows]
+                at["second_per_grid_ts"] += rows
+        out.append(own)
+    return out
+
+
+def unshared_batch(mb: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+    """The micro-batch with every multi-answer row expanded into one ordinary row per answer.
+
+    Each answer's row is its tree path (prompt + answer tokens) with labels on its own loss tokens and its
+    own copy of the prompt's pixels, joined by the collate function the loader used (packed row or padded
+    batch): exactly what the processor and collate produce for a manifest with one row per answer. A
+    micro-batch without multi-answer rows is returned as is.
+    """
+    from keye.data.collate import collate_packed, collate_padded
+
+    if not has_multi_answer(mb):
+        return mb
+    trees = _trees(mb)
+    outs = []
+    for tree, vision in zip(trees, _split_vision(mb, trees)):
+        ids = tree.input_ids[0]
+        for b, path in enumerate(tree.paths):
+            seq = ids[path]
+            is_target = torch.isin(path, tree.target_index[b][tree.loss_mask[b]])
+            outs.append({"input_ids": seq[None], "labels": torch.where(is_target, seq, IGNORE_INDEX)[None], **vision})
+    batch = collate_packed(outs) if "cu_seqlens" in mb else collate_padded(outs, pad_token_id)
+    batch["num_samples"] = mb["num_samples"]  # rows of the manifest, as in the shared layout
+    return batch
+
+
+def tree_loss(module: Any, mb: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """Summed next-token cross-entropy of every branch's target tokens, from ONE forest forward.
+
+    The micro-batch's per-sample trees are joined by :func:`keye.rl.tree.concat_trees` (no attention
+    across trees) and run with :class:`keye.rl.tree_attention.TreeAttention` and per-path positions, so
+    each distinct tree token's logits equal those of its unshared sequence. Each distinct target token's
+    loss is computed once and weighted by the number of branches (answers) whose target it is, so the sum
+    (and its gradient) equals the unshared batch's summed token loss; divide by :func:`target_tokens`
+    summed over the global batch for the token mean (spec §4: weight n_t / Σ_b N_b).
+
+    Args:
+        module: what to call for the forward (the model, or its DDP / FSDP / DeepSpeed wrapper).
+        mb: a loader micro-batch with ``tree`` entries (see :class:`TreeSampleProcessor`).
+    Returns:
+        A float32 scalar with gradient.
+    """
+    from keye.rl.tree import VisionInputs, concat_trees
+    from keye.rl.tree_attention import TreeAttention
+
+    forest = concat_trees(_trees(mb))
+    forest.vision = VisionInputs(**{k: mb.get(k) for k in VISION_KEYS})  # pixels, in the same sample order
+    forest = forest.to(device)
+    # Full logits (logits_to_keep=0) as the packed path computes them: the LM head stays inside the
+    # wrapped forward, which sharded and data-parallel wrappers require.
+    out = module(forest.input_ids, position_ids=forest.position_ids, attention_override=TreeAttention(forest),
+                 **forest.vision.as_kwargs())
+    targets, weight = torch.unique(forest.target_index[forest.loss_mask], return_counts=True)
+    logits = out.logits[0].index_select(0, forest.parent[targets]).float()
+    token_loss = F.cross_entropy(logits, forest.input_ids[0, targets], reduction="none")
+    return (token_loss * weight.to(token_loss.dtype)).sum()
+
+
 # ------------------------------------------------------------------------------------------ main
 def model_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The tensors of a loader micro-batch that the model's forward takes, moved to ``device``."""
@@ -458,7 +702,9 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     ``stop_after`` stops after that many optimizer steps *of this invocation* without the final
     save (used to simulate a crash in resume tests).
     """
+    from keye.data.cost import CostModel
     from keye.data.loader import build_dataloader
+    from keye.data.manifest import read_manifest
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
 
@@ -487,12 +733,20 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
 
+    manifest = read_manifest(cfg.data.manifest, cfg.data.root)
+    tree_mode = cfg.train.tree
+    loader_processor, cost_model = processor, None
+    if tree_mode == "on" or any(s.answers is not None for s in manifest.samples):
+        # Rows carry their prefix trees; micro-batches are planned with the cost of the layout that runs.
+        loader_processor = TreeSampleProcessor(processor, model.config)
+        cost_model = TreeCostModel(CostModel.from_processor(processor, mode=cfg.data.processor_kwargs.get("mode")),
+                                   shared=tree_mode != "off")
     loader = build_dataloader(
-        cfg.data.manifest, processor, root=cfg.data.root, batch_tokens=cfg.data.batch_tokens,
+        manifest, loader_processor, batch_tokens=cfg.data.batch_tokens,
         batch_size=cfg.data.batch_size, micro_batches=cfg.data.micro_batches, world_size=info.world_size,
         rank=info.rank, seed=cfg.train.seed, num_workers=cfg.data.num_workers, packing=cfg.data.packing,
         max_bad_fraction=cfg.data.max_bad_fraction, processor_kwargs=cfg.data.processor_kwargs,
-        bad_log=(out_dir / "bad_samples.jsonl") if info.is_main else None,
+        bad_log=(out_dir / "bad_samples.jsonl") if info.is_main else None, cost_model=cost_model,
     )
     steps_per_epoch = max(1, len(loader) // cfg.data.micro_batches)
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
@@ -541,22 +795,32 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     t_start = time.time()
     batches = _infinite(loader)
     steps_this_run = 0
+    tree_micro_batches = 0
     use_ds = wrapped.is_deepspeed
     while state["step"] < total_steps:
         t0 = time.time()
         mbs = [next(batches) for _ in range(cfg.data.micro_batches)]
-        local_targets = sum(int(mb["num_label_tokens"]) for mb in mbs)
+        # Every answer of a multi-answer row counts its own tokens, whichever layout computes them.
+        local_targets = sum(target_tokens(mb) for mb in mbs)
         global_targets = kdist.all_reduce_sum(local_targets, info.device)
         # DDP/FSDP average gradients over ranks and DeepSpeed also over accumulation steps; undo both
         # so the result is sum(token losses) / global target tokens.
         scale = info.world_size * (cfg.data.micro_batches if use_ds else 1) / max(global_targets, 1.0)
         loss_sum = 0.0
+        local_tokens = 0
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with wrapped.no_sync(last):
-                out = wrapped.module(**model_inputs(mb, info.device), loss_reduction="sum")
-                wrapped.backward(out.loss * scale)
-            loss_sum += float(out.loss.detach())
+                if use_tree_path(mb, tree_mode):
+                    mb_loss = tree_loss(wrapped.module, mb, info.device)
+                    tree_micro_batches += 1
+                    local_tokens += int(mb["num_tokens"])
+                else:
+                    batch = unshared_batch(mb, loader.pad_token_id) if _trees(mb) else mb
+                    mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
+                    local_tokens += int(batch["num_tokens"])
+                wrapped.backward(mb_loss * scale)
+            loss_sum += float(mb_loss.detach())
         if use_ds:
             wrapped.engine.step()
             grad_norm = float(wrapped.engine.get_global_grad_norm() or 0.0)
@@ -567,7 +831,7 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         loss = kdist.all_reduce_sum(loss_sum, info.device) / max(global_targets, 1.0)
-        tokens = kdist.all_reduce_sum(sum(int(mb["num_tokens"]) for mb in mbs), info.device)
+        tokens = kdist.all_reduce_sum(local_tokens, info.device)  # tokens the LLM ran (a tree's once)
         samples = kdist.all_reduce_sum(sum(int(mb["num_samples"]) for mb in mbs), info.device)
         state["step"] += 1
         state["samples"] += int(samples)
@@ -605,6 +869,7 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                 shutil.rmtree(final, ignore_errors=True)
                 shutil.copytree(out_dir / f"step_{state['step']:08d}" / "model", final)
     data_summary = loader.summary()
+    tree_micro_batches = int(kdist.all_reduce_sum(tree_micro_batches, info.device))  # all ranks
     summary = {
         "finished": finished,
         "steps": state["step"],
@@ -619,6 +884,7 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         "frozen_towers": frozen,
         "world_size": info.world_size,
         "strategy": wrapped.strategy,
+        "tree": {"mode": tree_mode, "tree_micro_batches": tree_micro_batches},
         "data": data_summary,
     }
     if info.is_main:
@@ -662,4 +928,5 @@ def run_from_args(config: str | None, overrides: list[str]) -> int:
     return 0
 
 
-__all__ = ["SFTConfig", "train", "main", "to_dict"]
+__all__ = ["SFTConfig", "TreeCostModel", "TreeSampleProcessor", "main", "target_tokens", "to_dict", "train",
+           "tree_loss", "unshared_batch", "use_tree_path"]
