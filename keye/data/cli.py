@@ -4,6 +4,7 @@
 
     keye data check MANIFEST [--root DIR] [--processor DIR] [--json]
     keye data synth --out data/synth --train 20000 --test 1000 --seed 0 [--workers N] [--image-fraction 0.1]
+                    [--warmup N]
     keye data clip-filter MANIFEST --out KEPT.jsonl --checkpoint CLIP.pt --model ViT-B-32 --threshold 0.3
 """
 
@@ -38,6 +39,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs; 0 = in-process)")
     p.add_argument("--image-fraction", type=float, default=0.1, help="share of image-only samples")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="also write N large-object caption images (warmup.jsonl, keye-tiny's perception stage)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -87,6 +90,7 @@ def _synth(args: argparse.Namespace) -> int:
         workers=args.workers,
         image_fraction=args.image_fraction,
         progress=not args.no_progress,
+        warmup=args.warmup,
     )
     dt = time.perf_counter() - t0
     n = args.train + args.test

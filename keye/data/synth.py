@@ -74,7 +74,7 @@ VIDEO_TYPES: dict[str, float] = {
     "detail": 1.0,
 }
 IMAGE_TYPES: dict[str, float] = {"color": 1.0, "shape": 1.0, "count": 1.0, "position": 1.0}
-SPLIT_CODES = {"train": 0, "test": 1}
+SPLIT_CODES = {"train": 0, "test": 1, "warmup": 2}
 
 
 @dataclass
@@ -244,15 +244,19 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
     side = min(w, h)
     fps = 0 if image else int(rng.choice(FPS_CHOICES))
     duration = 0.0 if image else GRID * int(rng.integers(4, 17))  # 2 .. 8 s
-    r_lo, r_hi = side / 14, side / 8
+    # Object radii span ~3-15% of the frame area. The large end matters for learning, not only for
+    # variety: a from-scratch model first learns to look at objects on big ones and only then transfers
+    # to small ones (with radii <= side/10 alone a tiny model never leaves the text-only prior).
+    r_lo, r_hi = side / 10, side / 4.5
+    r_crowd = side / 7  # scenes with up to 5 objects keep them small enough not to overlap
     taken: list[tuple[float, float, float]] = []
     objs: list[Obj] = []
     events: list[dict[str, Any]] = []
     choices: list[str] | None = None
     tol: float | None = None
 
-    def static(shape: str, color: str, **kw: Any) -> Obj:
-        r = float(rng.uniform(r_lo, r_hi))
+    def static(shape: str, color: str, hi: float | None = None, **kw: Any) -> Obj:
+        r = float(rng.uniform(r_lo, hi or r_hi))
         x, y = _free_pos(rng, w, h, r, taken)
         o = Obj(shape, color, r, x, y, **kw)
         objs.append(o)
@@ -275,11 +279,11 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
         for _ in range(n):
             s, c = str(rng.choice(SHAPES)), str(rng.choice(list(COLORS)))
             if image:
-                static(s, c)
+                static(s, c, hi=r_crowd)
                 continue
             t_a = _grid_time(rng, 0, duration - 1.0)
             t_v = _grid_time(rng, t_a + 1.0, duration) if rng.random() < 0.3 else math.inf
-            o = static(s, c, t_appear=t_a, t_vanish=t_v if t_v < duration else math.inf)
+            o = static(s, c, hi=r_crowd, t_appear=t_a, t_vanish=t_v if t_v < duration else math.inf)
             events.append({"t": t_a, "event": "appear", "object": o.name})
         ans, kind = str(n), "numeric"
         text = (
@@ -341,7 +345,7 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
         for _ in range(k - 1):
             times.append(times[-1] + GRID * int(rng.integers(1, 3)))  # 0.5 or 1.0 s later
         for (s, c), t in zip(pairs, times):
-            o = static(s, c, t_appear=t)
+            o = static(s, c, hi=r_crowd, t_appear=t)
             events.append({"t": t, "event": "appear", "object": o.name})
         names = [f"the {c} {s}" for s, c in pairs]
         choices = list(names)
@@ -366,7 +370,8 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
             text = f"At what time (in seconds) does the {s} change colour? Answer with a number."
     elif qtype == "when_collide":
         (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
-        r1, r2 = float(rng.uniform(r_lo, r_hi * 0.8)), float(rng.uniform(r_lo, r_hi * 0.8))
+        # Capped so both start inside the frame and still move towards the meeting point.
+        r1, r2 = float(rng.uniform(r_lo, side / 6.5)), float(rng.uniform(r_lo, side / 6.5))
         t_c = _grid_time(rng, 1.0, duration - GRID)
         y = float(rng.uniform(max(r1, r2) + 1, h - max(r1, r2) - 1))
         meet = float(rng.uniform(w * 0.35, w * 0.65))
@@ -391,12 +396,12 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
         ans, kind, tol = f"{t_a:.1f}", "numeric", GRID
         text = f"At what time (in seconds) does the {o.name} appear? Answer with a number."
     elif qtype == "detail":
-        # A tiny shape (about 4% of the frame side) visible for 1 s among big distractors: the answer is in
+        # A tiny shape (about 6% of the frame side) visible for 1 s among big distractors: the answer is in
         # the high-resolution detail of the few frames that show it.
         for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3)), avoid=("white",)):
             static(s2, c2)
         s = str(rng.choice(SHAPES))
-        r = max(4.0, side * 0.04)
+        r = max(5.0, side * 0.06)
         x, y = _free_pos(rng, w, h, r, taken)
         t_a = _grid_time(rng, 0, duration - 1.0)
         tiny = Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0)
@@ -413,6 +418,50 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
 # ------------------------------------------------------------------------------------------ samples
 
 
+def describe(scene: Scene) -> str:
+    """A dense caption of the clip: every object once, in order of appearance (then left to right), with
+    its colour when it appears and, in videos, the second it appears: ``"red circle at 0.0, blue square at
+    1.5."`` (images: ``"red circle, blue square."``). It is the perception warm-up target of
+    :func:`caption_rows` and needs no reasoning, only looking."""
+    objs = sorted(scene.objects, key=lambda o: (o.t_appear, o.x))
+    if scene.fps:
+        parts = [f"{o.color} {o.shape} at {o.t_appear:.1f}" for o in objs]
+    else:
+        parts = [f"{o.color} {o.shape}" for o in objs]
+    return ", ".join(parts) + "."
+
+
+CAPTION_PROMPT = "List every shape in the {kind} with its colour{times}."
+
+
+def caption_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One caption row per manifest row that has a ``caption``: same media, the question
+    :data:`CAPTION_PROMPT`, the caption as the answer (``question_type`` "caption", ``answer_kind``
+    "text"). Training on these first gives a from-scratch model dense, direct supervision of what is in
+    the frames (Keye's captioning stage in miniature), which the question-answer rows alone give too
+    sparsely for a tiny model to discover."""
+    out = []
+    for r in rows:
+        if "caption" not in r:
+            continue
+        media = next(c for c in r["messages"][0]["content"] if c.get("type") in ("image", "video"))
+        video = media["type"] == "video"
+        prompt = CAPTION_PROMPT.format(kind="video" if video else "image",
+                                       times=" and the second it appears" if video else "")
+        out.append({
+            "id": f"{r['id']}-caption",
+            "messages": [
+                {"role": "user", "content": [dict(media), {"type": "text", "text": prompt}]},
+                {"role": "assistant", "content": [{"type": "text", "text": r["caption"]}]},
+            ],
+            "answer": r["caption"],
+            "answer_kind": "text",
+            "question_type": "caption",
+            "meta": dict(r.get("meta", {})),
+        })
+    return out
+
+
 def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """The generator that fully determines sample ``index`` of ``split``."""
     return np.random.default_rng([int(seed), SPLIT_CODES[split], int(index)])
@@ -422,6 +471,44 @@ def _weighted(rng: np.random.Generator, table: dict[str, float]) -> str:
     keys = list(table)
     p = np.asarray([table[k] for k in keys], dtype=float)
     return str(keys[int(rng.choice(len(keys), p=p / p.sum()))])
+
+
+def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float) -> dict[str, Any]:
+    """A perception warm-up row (split ``"warmup"``): an image of one or two *large* shapes (radius a fifth
+    to a third of the side) and its caption as the answer (the :func:`caption_rows` format).
+
+    Large objects fill whole vision tokens, so even an untrained tower gives the decoder a clear signal;
+    a tiny model learns to read colours and shapes here first and then transfers it to the small objects
+    of the real clips (trained on small objects alone it never starts). ``image_fraction`` is ignored.
+    """
+    rng = sample_rng(seed, split, index)
+    w, h = int(rng.choice(SIDES)), int(rng.choice(SIDES))
+    side = min(w, h)
+    taken: list[tuple[float, float, float]] = []
+    objs = []
+    for s_, c in _distinct_objects(rng, int(rng.integers(1, 3))):
+        r = float(rng.uniform(side / 5, side / 3 if not objs else side / 4))
+        x, y = _free_pos(rng, w, h, r, taken)
+        objs.append(Obj(s_, c, r, x, y))
+    scene = Scene(w, h, 0, 0.0, objs, "caption", "", "", "text", None, None, [])
+    rel = Path("media") / split / f"{index:06d}.png"
+    dest = Path(out_dir) / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    write_image(dest, scene)
+    caption = describe(scene)
+    return {
+        "id": f"{split}-{index:06d}",
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": str(rel)},
+                                         {"type": "text", "text": CAPTION_PROMPT.format(kind="image", times="")}]},
+            {"role": "assistant", "content": [{"type": "text", "text": caption}]},
+        ],
+        "answer": caption,
+        "answer_kind": "text",
+        "question_type": "caption",
+        "meta": {"modality": "image", "width": w, "height": h, "fps": 0, "duration": 0.0, "num_frames": 1,
+                 "events": []},
+    }
 
 
 def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float) -> dict[str, Any]:
@@ -457,6 +544,7 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
         row["choices"] = scene.choices
     if scene.tolerance is not None:
         row["tolerance"] = scene.tolerance
+    row["caption"] = describe(scene)
     row["meta"] = {
         "modality": "image" if image else "video",
         "width": scene.width,
@@ -470,7 +558,7 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
 
 
 def _make_star(args: tuple[str, str, int, int, float]) -> dict[str, Any]:
-    return make_sample(*args)
+    return (make_warmup_sample if args[1] == "warmup" else make_sample)(*args)
 
 
 def generate_split(
@@ -484,7 +572,9 @@ def generate_split(
     progress: bool = True,
     chunksize: int = 8,
 ) -> Path:
-    """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``.
+    """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``, plus
+    ``out_dir/<split>_captions.jsonl`` (:func:`caption_rows`: one dense-caption row per sample, same media).
+    Split ``"warmup"`` writes :func:`make_warmup_sample` rows (large-object caption images) instead.
 
     Args:
         workers: process-pool size (default: all CPUs); 0 renders in this process.
@@ -509,7 +599,7 @@ def generate_split(
     workers = (os.cpu_count() or 1) if workers is None else workers
     bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
     if workers <= 0 or n <= 1:
-        rows = [make_sample(*j) for j in bar(jobs, desc=f"synth {split}", unit="clip")]
+        rows = [_make_star(j) for j in bar(jobs, desc=f"synth {split}", unit="clip")]
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             rows = list(
@@ -517,6 +607,8 @@ def generate_split(
             )
     path = out / f"{split}.jsonl"
     write_manifest(path, rows)
+    if split != "warmup":  # warm-up rows are captions already
+        write_manifest(out / f"{split}_captions.jsonl", caption_rows(rows))
     return path
 
 
@@ -529,11 +621,14 @@ def generate(
     workers: int | None = None,
     image_fraction: float = 0.1,
     progress: bool = True,
+    warmup: int = 0,
 ) -> dict[str, Path]:
-    """Generate both splits; returns ``{"train": path, "test": path}`` (see :func:`generate_split`)."""
+    """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
+    ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`)."""
+    splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
     return {
         split: generate_split(
             out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress
         )
-        for split, n in (("train", train), ("test", test))
+        for split, n in splits
     }

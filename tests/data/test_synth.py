@@ -113,3 +113,53 @@ def test_split_is_deterministic_and_valid(tmp_path: Path, synth_dir: Path):
     assert test_ids == [f"test-{i:06d}" for i in range(6)]
     other = generate_split(tmp_path / "s4", "train", 4, seed=4, workers=0, progress=False)
     assert other.read_text().splitlines()[0] != rows_a[0]
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_caption_lists_what_the_frames_show(tmp_path: Path, k: int):
+    from keye.data.synth import describe
+
+    sc, frames = _scene_video("count", k, tmp_path)
+    caption = describe(sc)
+    parts = caption.rstrip(".").split(", ")
+    assert len(parts) == len(sc.objects)  # every object once: the count is in the caption
+    times = [float(p.rsplit(" at ", 1)[1]) for p in parts]
+    assert times == sorted(times)  # in order of appearance
+    for p in parts:
+        color, shape, _, t = p.split(" ")
+        i = int(round(float(t) * sc.fps))
+        assert _present(frames[i], color)  # the colour is on screen at the stated second
+        assert shape in ("circle", "square", "triangle", "diamond")
+    img = make_scene(np.random.default_rng([5, k]), "color", image=True)
+    assert " at " not in describe(img) and describe(img).count(",") == len(img.objects) - 1
+
+
+def test_caption_manifest_pairs_every_row(synth_dir: Path):
+    rows = [json.loads(x) for x in (synth_dir / "train.jsonl").read_text().splitlines()]
+    caps = read_manifest(synth_dir / "train_captions.jsonl")
+    assert not caps.bad_rows and [s.id for s in caps.samples] == [r["id"] + "-caption" for r in rows]
+    qa = read_manifest(synth_dir / "train.jsonl").samples
+    for r, s, q in zip(rows, caps.samples, qa):
+        assert [m.path for m in s.media] == [m.path for m in q.media]  # the same clip
+        assert s.messages[-1]["content"][0]["text"] == r["caption"] == s.row["answer"]
+        assert s.row["question_type"] == "caption"
+        prompt = s.messages[0]["content"][1]["text"]
+        assert ("second it appears" in prompt) == (s.modality == "video")
+
+
+def test_warmup_rows_are_large_object_captions(tmp_path: Path):
+    from keye.data.synth import generate
+
+    paths = generate(tmp_path, train=2, test=1, seed=0, workers=0, progress=False, warmup=6)
+    assert set(paths) == {"train", "test", "warmup"} and not (tmp_path / "warmup_captions.jsonl").exists()
+    man = read_manifest(paths["warmup"])
+    assert not man.bad_rows and len(man) == 6
+    for s in man.samples:
+        assert s.modality == "image" and s.row["question_type"] == "caption"
+        frame = np.asarray(Image.open(s.media[0].path).convert("RGB")).astype(int)
+        parts = s.row["answer"].rstrip(".").split(", ")
+        for p in parts:
+            color = p.split(" ")[0]
+            # large: each named object covers well over 2 % of the image (a fifth of the side or more)
+            assert _mask(frame, color).mean() > 0.02, (s.id, p)
+        assert s.messages[-1]["content"][0]["text"] == s.row["answer"]
