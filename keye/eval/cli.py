@@ -98,6 +98,9 @@ def add_commands(subparsers: Any) -> None:
     p = sub.add_parser("synth", help="the synthetic video-QA set (accuracy per question type)")
     _add_model_args(p, "runs/synth")
     p.add_argument("--data", required=True, help="the set's JSONL manifest (keye data synth)")
+    p.add_argument("--blank", action="store_true",
+                   help="control run: every clip/image replaced by a blank one of the same size, fps and length "
+                        "(a model that uses the pixels should fall to the majority-answer baseline)")
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("score", help="re-score stored predictions (ours or the official JSON formats)")
@@ -339,11 +342,16 @@ def cmd_synth(args: argparse.Namespace, engine: Any = None) -> int:
     from keye.eval import synth
 
     items = synth.load_items(args.data)
+    if getattr(args, "blank", False):
+        if args.limit:
+            items = items[: args.limit]
+        items = synth.blank_items(items, Path(args.out) / "blank_media")
     records = _infer(args, items, synth.build_conversation, synth.record_for, engine)
     if records is None:
         return 0
     overall, tables, result, per_item = _score_synth_records(records)
-    _finish(Path(args.out), "synth", args.model, _run_config(args), overall, tables, result, per_item)
+    config = _run_config(args, blank=bool(getattr(args, "blank", False)))
+    _finish(Path(args.out), "synth", args.model, config, overall, tables, result, per_item)
     return 0
 
 

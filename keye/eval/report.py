@@ -159,6 +159,12 @@ def synth_report(result: Mapping[str, Any]) -> tuple[Row, dict[str, list[Row]]]:
             for v, r in table.items()
         ]
         for key, table in result.items()
-        if key not in ("overall", "per_item")
+        if key not in ("overall", "per_item", "majority")
     }
+    majority = result.get("majority")
+    if majority:  # the blind baseline next to each type (what ignoring the pixels would score)
+        overall["majority %"] = _pct(majority["overall"]["accuracy"])
+        for row in tables.get("question_type", []):
+            base = majority["question_type"].get(row["question_type"])
+            row["majority %"] = _pct(base["accuracy"]) if base else None
     return overall, tables

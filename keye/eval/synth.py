@@ -115,14 +115,15 @@ def score_records(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     ``choices``, ``tolerance``, ``modality``).
 
     Returns ``{"overall": row, "question_type": {t: row}, "answer_kind": {k: row}, "modality": {m: row},
-    "per_item": {id: {"prediction", "correct"}}}`` with ``row = {"correct", "total", "accuracy"}``
+    "majority": majority_baseline(records), "per_item": {id: {"prediction", "correct"}}}`` with ``row = {"correct", "total", "accuracy"}``
     (accuracy a fraction; question types sorted by name). Raises ``KeyeInputError`` for a record without the
     required fields.
     """
     per_item: dict[str, dict[str, Any]] = {}
     tables: dict[str, dict[str, list[bool]]] = {"question_type": {}, "answer_kind": {}, "modality": {}}
     outcomes: list[bool] = []
-    for rec in records:
+    records_list = list(records)
+    for rec in records_list:
         for key in ("id", "answer", "answer_kind", "question_type", "response"):
             if key not in rec:
                 raise KeyeInputError(f"synth record has no {key!r} field", item=rec.get("id"))
@@ -140,5 +141,105 @@ def score_records(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {"overall": _row(outcomes)}
     for key, table in tables.items():
         result[key] = {v: _row(table[v]) for v in sorted(table)}
+    result["majority"] = majority_baseline(records_list)
     result["per_item"] = per_item
     return result
+
+
+def majority_baseline(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Accuracy of the blind baseline that answers every question of a type with that type's most common
+    answer among ``records`` (ties: the smallest answer string), scored with :func:`is_correct`.
+
+    This is the score a model that ignores the pixels can reach from the text alone (the question type is
+    in the question), so a model given blank clips should land near it. Returns
+    ``{"overall": row, "question_type": {t: row}, "answer": {t: answer}}`` with rows as in
+    :func:`score_records`.
+    """
+    by_type: dict[str, list[Mapping[str, Any]]] = {}
+    for rec in records:
+        by_type.setdefault(str(rec["question_type"]), []).append(rec)
+    out: dict[str, Any] = {"overall": None, "question_type": {}, "answer": {}}
+    hits = total = 0
+    for t in sorted(by_type):
+        recs = by_type[t]
+        counts: dict[str, int] = {}
+        for r in recs:
+            counts[str(r["answer"]).strip()] = counts.get(str(r["answer"]).strip(), 0) + 1
+        guess = min(counts, key=lambda a: (-counts[a], a))
+        ok = sum(is_correct(guess, r) for r in recs)
+        out["question_type"][t] = {"correct": ok, "total": len(recs), "accuracy": ok / len(recs)}
+        out["answer"][t] = guess
+        hits, total = hits + ok, total + len(recs)
+    out["overall"] = {"correct": hits, "total": total, "accuracy": hits / total if total else 0.0}
+    return out
+
+
+def _blank_video(src: Path, dest: Path) -> None:
+    import av
+    import numpy as np
+
+    from keye.data.synth import BACKGROUND
+
+    with av.open(str(src)) as c:
+        stream = c.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate or 1
+        n = sum(1 for _ in c.decode(video=0))
+        w, h = stream.codec_context.width, stream.codec_context.height
+    frame = np.empty((h, w, 3), dtype=np.uint8)
+    frame[:] = BACKGROUND
+    with av.open(str(dest), "w") as out:
+        st = out.add_stream("libx264", rate=rate)
+        st.width, st.height, st.pix_fmt = w, h, "yuv420p"
+        st.options = {"preset": "ultrafast", "crf": "18", "threads": "1"}
+        for _ in range(n):
+            for packet in st.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in st.encode():
+            out.mux(packet)
+
+
+def _blank_image(src: Path, dest: Path) -> None:
+    from PIL import Image
+
+    from keye.data.synth import BACKGROUND
+
+    with Image.open(src) as im:
+        size = im.size
+    Image.new("RGB", size, BACKGROUND).save(dest, format="PNG")
+
+
+def blank_items(items: Iterable[Mapping[str, Any]], media_dir: str | Path) -> list[dict[str, Any]]:
+    """The control condition: ``items`` with every image or video replaced by a blank one (the synthetic
+    set's background colour, no objects) of the same size and, for videos, the same frame rate and number
+    of frames, so the prompt (frame and timestamp tokens included) is unchanged and only the pixel content
+    is gone. Blank files are written under ``media_dir`` (reused when present). Raises ``KeyeInputError``
+    naming the file when a clip cannot be read.
+    """
+    media_dir = Path(media_dir)
+    media_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for item in items:
+        new_item = dict(item)
+        messages = []
+        for m in item["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):
+                new_content = []
+                for k, c in enumerate(content):
+                    kind = c.get("type") if isinstance(c, Mapping) else None
+                    if kind in ("image", "video") and isinstance(c.get(kind), str):
+                        src = Path(c[kind])
+                        dest = media_dir / f"{item['id']}-{k}{src.suffix if kind == 'video' else '.png'}"
+                        if not dest.is_file():
+                            try:
+                                (_blank_video if kind == "video" else _blank_image)(src, dest)
+                            except Exception as err:  # noqa: BLE001 - any decoder error means this file is unusable
+                                raise KeyeInputError(f"cannot read {kind} to blank it: {err}", path=src,
+                                                     item=item.get("id")) from None
+                        c = {**c, kind: str(dest)}
+                    new_content.append(c)
+                m = {**m, "content": new_content}
+            messages.append(m)
+        new_item["messages"] = messages
+        out.append(new_item)
+    return out

@@ -228,3 +228,66 @@ def test_synth_load_errors(tmp_path) -> None:
     bad.write_text("{oops\n")
     with pytest.raises(KeyeInputError, match="malformed"):
         synth.load_items(bad)
+
+
+def test_synth_majority_baseline_per_type_with_tolerance() -> None:
+    recs = [
+        {"id": "1", "answer": "B", "answer_kind": "mc", "question_type": "color", "response": "B"},
+        {"id": "2", "answer": "B", "answer_kind": "mc", "question_type": "color", "response": "A"},
+        {"id": "3", "answer": "A", "answer_kind": "mc", "question_type": "color", "response": "A"},
+        # numeric: the most common answer (2.0) is also within tolerance of 2.5
+        {"id": "4", "answer": "2.0", "answer_kind": "numeric", "question_type": "when", "tolerance": 0.5, "response": "0"},
+        {"id": "5", "answer": "2.0", "answer_kind": "numeric", "question_type": "when", "tolerance": 0.5, "response": "0"},
+        {"id": "6", "answer": "2.5", "answer_kind": "numeric", "question_type": "when", "tolerance": 0.5, "response": "0"},
+        {"id": "7", "answer": "4.0", "answer_kind": "numeric", "question_type": "when", "tolerance": 0.5, "response": "0"},
+    ]
+    base = synth.majority_baseline(recs)
+    assert base["answer"] == {"color": "B", "when": "2.0"}
+    assert base["question_type"]["color"]["correct"] == 2 and base["question_type"]["when"]["correct"] == 3
+    assert base["overall"] == {"correct": 5, "total": 7, "accuracy": 5 / 7}
+    result = synth.score_records(recs)
+    assert result["majority"] == base
+    from keye.eval.report import synth_report
+
+    overall, tables = synth_report(result)
+    assert overall["majority %"] == pytest.approx(100 * 5 / 7, abs=0.01)
+    assert {r["question_type"]: r["majority %"] for r in tables["question_type"]} == {"color": pytest.approx(66.67, abs=0.01), "when": 75.0}
+    assert "majority" not in tables
+
+
+def test_synth_blank_items_keep_size_rate_and_length(tmp_path) -> None:
+    import av
+    import numpy as np
+    from PIL import Image
+
+    from keye.data.synth import BACKGROUND, generate_split
+
+    manifest = generate_split(tmp_path / "s", "test", 6, seed=1, workers=0, progress=False, image_fraction=0.5)
+    items = synth.load_items(manifest)
+    blank = synth.blank_items(items, tmp_path / "blank")
+    kinds = set()
+    for a, b in zip(items, blank):
+        assert a["answer"] == b["answer"] and a["messages"] is not b["messages"]
+        (ca,), (cb,) = ([c for c in m["content"] if c.get("type") in ("image", "video")] for m in (a["messages"][0], b["messages"][0]))
+        kind = ca["type"]
+        kinds.add(kind)
+        assert ca[kind] != cb[kind] and Path(cb[kind]).parent == tmp_path / "blank"
+        texts = [[c for c in m["content"] if c.get("type") == "text"] for m in (a["messages"][0], b["messages"][0])]
+        assert texts[0] == texts[1]
+        if kind == "image":
+            with Image.open(ca[kind]) as x, Image.open(cb[kind]) as y:
+                assert x.size == y.size and set(y.getdata()) == {BACKGROUND}
+            continue
+        with av.open(ca[kind]) as x, av.open(cb[kind]) as y:
+            sx, sy = x.streams.video[0], y.streams.video[0]
+            assert (sx.codec_context.width, sx.codec_context.height) == (sy.codec_context.width, sy.codec_context.height)
+            assert sx.average_rate == sy.average_rate
+            fx = [f.to_ndarray(format="rgb24") for f in x.decode(video=0)]
+            fy = [f.to_ndarray(format="rgb24") for f in y.decode(video=0)]
+        assert len(fx) == len(fy)
+        assert max(np.abs(f.astype(int) - np.array(BACKGROUND)).max() for f in fy) <= 3  # yuv420 round trip
+        assert max(np.abs(f.astype(int) - np.array(BACKGROUND)).max() for f in fx) > 50  # the real clip has objects
+    assert kinds == {"image", "video"}
+    bad = dict(items[0], id="bad", messages=[{"role": "user", "content": [{"type": "video", "video": str(tmp_path / "missing.mp4")}, {"type": "text", "text": "q"}]}])
+    with pytest.raises(KeyeInputError, match="missing.mp4"):
+        synth.blank_items([bad], tmp_path / "blank")
