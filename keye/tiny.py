@@ -1,9 +1,10 @@
 """The embedded default model ``keye-tiny``: a few-million-parameter Keye-VL-1.5-style model trained
-by ``training/configs/tiny_synth.yaml`` on the synthetic video-QA set that ships with the repo.
+by the SFT recipe (three stages, ``training/configs/tiny_synth_stage0.yaml``, ``tiny_synth_stage1.yaml``,
+``tiny_synth.yaml``) on the synthetic video-QA set that ships with the repo.
 
 It lives inside the package (``keye/assets/keye-tiny``) so the demo, ``keye chat``, evaluation and the
-training recipes run offline on a laptop CPU. ``training/build_tiny.sh`` is the exact command that
-rebuilt it.
+training recipes run offline on a laptop CPU. ``python training/build_tiny.py --install`` is the exact
+command that rebuilt it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def tiny_dir() -> Path:
     if not (TINY_DIR / "config.json").is_file():
         raise KeyeConfigError(
             f"{TINY_DIR}: the embedded keye-tiny checkpoint is missing from this install; rebuild it with "
-            "training/build_tiny.sh"
+            "python training/build_tiny.py --install"
         )
     return TINY_DIR
 
