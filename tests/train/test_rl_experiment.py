@@ -1,0 +1,77 @@
+"""The GRPO-vs-RLEP experiment driver (training/rl_experiment.py): its comparison arithmetic, and a
+test-sized run of the committed configs end to end (pool collection, both runs, report)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("rl_experiment", REPO / "training/rl_experiment.py")
+rl_experiment = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rl_experiment)
+
+
+def _curve(*acc):
+    return [{"step": 10 * i, "accuracy": a, "n": 100.0} for i, a in enumerate(acc)]
+
+
+def test_compare_finds_the_step_rlep_reaches_the_baseline_best():
+    s = rl_experiment.compare(_curve(0.50, 0.55, 0.60, 0.58), _curve(0.50, 0.61, 0.59, 0.66))
+    assert s["start_accuracy"] == 0.50 and s["n_eval"] == 100
+    assert (s["grpo_best"], s["grpo_best_step"]) == (0.60, 20)
+    assert (s["rlep_best"], s["rlep_best_step"]) == (0.66, 30)
+    assert s["rlep_reaches_baseline_best_at"] == 10
+    assert (s["grpo_final"], s["rlep_final"]) == (0.58, 0.66)
+
+
+def test_compare_reports_never_reaching_and_rejects_empty_curves():
+    s = rl_experiment.compare(_curve(0.5, 0.7), _curve(0.5, 0.6))
+    assert s["rlep_reaches_baseline_best_at"] is None
+    assert "no." in rl_experiment.markdown(s, _curve(0.5, 0.7), _curve(0.5, 0.6))
+    with pytest.raises(ValueError, match="eval curve"):
+        rl_experiment.compare([], _curve(0.5))
+
+
+def test_markdown_table_lists_every_step_of_both_runs():
+    g, r = _curve(0.5, 0.6), _curve(0.5, 0.625, 0.7)
+    md = rl_experiment.markdown(rl_experiment.compare(g, r), g, r)
+    assert "| 0 | 50.0 | 50.0 |" in md and "| 10 | 60.0 | 62.5 |" in md and "| 20 | - | 70.0 |" in md
+    assert "reaches the baseline's best at step 10." in md
+
+
+@pytest.mark.slow
+def test_test_sized_experiment_runs_both_configs_from_one_start(tiny_ckpt, synth_set, tmp_path):
+    rows = [json.loads(x) for x in synth_set["train"].read_text().splitlines()]
+    cost = lambda r: r["meta"]["num_frames"] * r["meta"]["width"] * r["meta"]["height"]  # noqa: E731
+    data = synth_set["train"].parent / "rlx_train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=cost)[:3]))
+    out = tmp_path / "rlx"
+    cmd = [sys.executable, "training/rl_experiment.py", "--policy", str(tiny_ckpt), "--data", str(data),
+           "--test", str(synth_set["test"]), "--questions", "3", "--n", "2", "--steps", "2", "--out", str(out),
+           "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4", "eval.limit=2", "eval.every=1",
+           "eval.max_new_tokens=3", "algorithm.micro_batch_size=4", "log.progress=false", "log.tensorboard=false",
+           "train.device=cpu"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    for name in ("grpo", "rlep"):
+        assert [c["step"] for c in report[name]] == [0, 1, 2]
+        assert json.loads((out / name / "summary.json").read_text())["finished"]
+    # one start: both runs evaluate the same SFT checkpoint greedily before their first step
+    assert report["grpo"][0]["accuracy"] == report["rlep"][0]["accuracy"] == report["summary"]["start_accuracy"]
+    assert report["summary"] == rl_experiment.compare(report["grpo"], report["rlep"])
+    grpo_cfg = (out / "grpo" / "config.yaml").read_text()
+    rlep_cfg = (out / "rlep" / "config.yaml").read_text()
+    assert "enabled: false" in grpo_cfg.split("replay:")[1].split("\n\n")[0].split("algorithm:")[0]
+    assert str(out / "pool.jsonl") in rlep_cfg
+    assert "| RL step | GRPO baseline % | RLEP % |" in (out / "report.md").read_text()
+    # rerunning resumes: every step's output exists, so nothing is recomputed and the report is identical
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "keye train rlep" not in again.stdout
+    assert json.loads((out / "report.json").read_text()) == report

@@ -1,0 +1,127 @@
+"""GRPO baseline vs RLEP on keye-tiny and the synthetic video-QA set: one command, one report.
+
+Both runs start from the same SFT checkpoint with the same seed, prompts and step budget
+(``training/configs/tiny_synth_grpo.yaml`` and ``tiny_synth_rlep.yaml`` differ only in ``replay``).
+Steps, each skipped when its output already exists so an interrupted experiment resumes:
+
+  1. the RL question set: the first ``--questions`` rows of ``data/synth/train.jsonl``
+  2. phase A: ``keye rlep collect`` samples ``--n`` answers per question from the SFT start and keeps
+     the verified ones (the replay pool)
+  3. the GRPO baseline run, then the RLEP run (each resumes from its own checkpoints)
+  4. ``report.json`` and ``report.md`` in ``--out``: both held-out accuracy curves, the SFT start, the
+     baseline's best and the first step at which RLEP reaches it
+
+Usage:
+  python training/rl_experiment.py --policy runs/tiny/final --steps 40
+  python training/rl_experiment.py --policy keye-tiny --steps 2 --questions 8 --n 4 --out /tmp/rlx \\
+      eval.limit=4          # test-sized: the same configs and code path, seconds not minutes
+Extra ``key=value`` arguments are dot-list overrides applied to both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+
+
+def compare(grpo: list[dict[str, Any]], rlep: list[dict[str, Any]]) -> dict[str, Any]:
+    """Summarise two held-out curves (lists of ``{"step", "accuracy", "n"}``, step 0 = the start).
+
+    Returns the start accuracy, each run's best (value and first step reaching it), and
+    ``rlep_reaches_baseline_best_at``: the first RLEP step whose accuracy is >= the baseline's best
+    (``None`` when it never does).
+    """
+    if not grpo or not rlep:
+        raise ValueError("both runs need a non-empty eval curve (set eval.manifest and eval.every)")
+
+    def best(curve: list[dict[str, Any]]) -> tuple[float, int]:
+        top = max(c["accuracy"] for c in curve)
+        return top, min(c["step"] for c in curve if c["accuracy"] == top)
+
+    g_best, g_step = best(grpo)
+    r_best, r_step = best(rlep)
+    reach = next((c["step"] for c in sorted(rlep, key=lambda c: c["step"]) if c["accuracy"] >= g_best), None)
+    return {
+        "start_accuracy": grpo[0]["accuracy"] if grpo[0]["step"] == 0 else None,
+        "grpo_best": g_best, "grpo_best_step": g_step,
+        "rlep_best": r_best, "rlep_best_step": r_step,
+        "rlep_reaches_baseline_best_at": reach,
+        "grpo_final": grpo[-1]["accuracy"], "rlep_final": rlep[-1]["accuracy"],
+        "n_eval": int(grpo[0]["n"]),
+    }
+
+
+def markdown(summary: dict[str, Any], grpo: list[dict[str, Any]], rlep: list[dict[str, Any]]) -> str:
+    """The README table: held-out accuracy (%) per evaluated step for both runs, then the summary."""
+    by_step = {c["step"]: [c["accuracy"], None] for c in grpo}
+    for c in rlep:
+        by_step.setdefault(c["step"], [None, None])[1] = c["accuracy"]
+    fmt = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    lines = ["| RL step | GRPO baseline % | RLEP % |", "|---|---|---|"]
+    lines += [f"| {s} | {fmt(a)} | {fmt(b)} |" for s, (a, b) in sorted(by_step.items())]
+    reach = summary["rlep_reaches_baseline_best_at"]
+    lines.append("")
+    lines.append(
+        f"Held-out accuracy on {summary['n_eval']} questions. SFT start {fmt(summary['start_accuracy'])} %; "
+        f"GRPO best {fmt(summary['grpo_best'])} % (step {summary['grpo_best_step']}); RLEP best "
+        f"{fmt(summary['rlep_best'])} % (step {summary['rlep_best_step']}); RLEP reaches the baseline's best "
+        + (f"at step {reach}." if reach is not None else "within the budget: no.")
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="runs/tiny/final", help="the SFT start (a checkpoint dir or keye-tiny)")
+    ap.add_argument("--data", default="data/synth/train.jsonl", help="source of the RL questions")
+    ap.add_argument("--test", default="data/synth/test.jsonl", help="held-out manifest for the curves")
+    ap.add_argument("--questions", type=int, default=1000, help="RL questions (the first rows of --data)")
+    ap.add_argument("--n", type=int, default=8, help="answers sampled per question for the pool")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: the configs')")
+    ap.add_argument("--out", default="runs/rl_experiment")
+    ap.add_argument("overrides", nargs="*", help="dot-list overrides for both runs")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(args.data)
+    # The question set sits next to its source so relative media paths keep resolving.
+    questions = src.parent / f"rl_train_{args.questions}.jsonl"
+    if not questions.is_file():
+        rows = src.read_text().splitlines()[: args.questions]
+        questions.write_text("\n".join(rows) + "\n")
+    pool = out / "pool.jsonl"
+    if not pool.is_file():
+        run([sys.executable, "-m", "keye", "rlep", "collect", "--policy", args.policy, "--data", str(questions),
+             "--n", str(args.n), "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", "16",
+             "--out", str(pool)])
+    common = [f"model.path={args.policy}", f"data.manifest={questions}", f"eval.manifest={args.test}"]
+    if args.steps:
+        common.append(f"train.steps={args.steps}")
+    curves = {}
+    for name, extra in (("grpo", []), ("rlep", [f"replay.pool={pool}"])):
+        run_dir = out / name
+        if not (run_dir / "summary.json").is_file():
+            run([sys.executable, "-m", "keye", "train", "rlep", "--config", f"training/configs/tiny_synth_{name}.yaml",
+                 *common, *extra, f"checkpoint.out_dir={run_dir}", *args.overrides])
+        curves[name] = json.loads((run_dir / "eval_curve.json").read_text())
+    summary = compare(curves["grpo"], curves["rlep"])
+    (out / "report.json").write_text(json.dumps({"summary": summary, **curves}, indent=2))
+    md = markdown(summary, curves["grpo"], curves["rlep"])
+    (out / "report.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
