@@ -38,20 +38,25 @@ def run(cmd: list[str]) -> None:
 def compare(grpo: list[dict[str, Any]], rlep: list[dict[str, Any]]) -> dict[str, Any]:
     """Summarise two held-out curves (lists of ``{"step", "accuracy", "n"}``, step 0 = the start).
 
-    Returns the start accuracy, each run's best (value and first step reaching it), and
-    ``rlep_reaches_baseline_best_at``: the first RLEP step whose accuracy is >= the baseline's best
-    (``None`` when it never does).
+    Returns the start accuracy, each run's best over its RL steps (step > 0 when the curve has any; value
+    and first step reaching it), and ``rlep_reaches_baseline_best_at``: the first RLEP step > 0 whose
+    accuracy is >= the baseline's best (``None`` when it never does). Step 0 is the shared start, so it
+    cannot count as either run reaching anything.
     """
     if not grpo or not rlep:
         raise ValueError("both runs need a non-empty eval curve (set eval.manifest and eval.every)")
 
+    def trained(curve: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [c for c in curve if c["step"] > 0] or curve
+
     def best(curve: list[dict[str, Any]]) -> tuple[float, int]:
+        curve = trained(curve)
         top = max(c["accuracy"] for c in curve)
         return top, min(c["step"] for c in curve if c["accuracy"] == top)
 
     g_best, g_step = best(grpo)
     r_best, r_step = best(rlep)
-    reach = next((c["step"] for c in sorted(rlep, key=lambda c: c["step"]) if c["accuracy"] >= g_best), None)
+    reach = next((c["step"] for c in sorted(trained(rlep), key=lambda c: c["step"]) if c["accuracy"] >= g_best), None)
     return {
         "start_accuracy": grpo[0]["accuracy"] if grpo[0]["step"] == 0 else None,
         "grpo_best": g_best, "grpo_best_step": g_step,
@@ -74,7 +79,7 @@ def markdown(summary: dict[str, Any], grpo: list[dict[str, Any]], rlep: list[dic
     lines.append("")
     lines.append(
         f"Held-out accuracy on {summary['n_eval']} questions. SFT start {fmt(summary['start_accuracy'])} %; "
-        f"GRPO best {fmt(summary['grpo_best'])} % (step {summary['grpo_best_step']}); RLEP best "
+        f"best after training: GRPO {fmt(summary['grpo_best'])} % (step {summary['grpo_best_step']}), RLEP "
         f"{fmt(summary['rlep_best'])} % (step {summary['rlep_best_step']}); RLEP reaches the baseline's best "
         + (f"at step {reach}." if reach is not None else "within the budget: no.")
     )

@@ -30,6 +30,15 @@ def test_compare_finds_the_step_rlep_reaches_the_baseline_best():
     assert (s["grpo_final"], s["rlep_final"]) == (0.58, 0.66)
 
 
+def test_compare_ignores_the_shared_start():
+    # both runs fall below the start: the baseline's best is its best *trained* point, and step 0 (the
+    # same checkpoint for both) never counts as RLEP reaching it
+    s = rl_experiment.compare(_curve(0.50, 0.40, 0.45), _curve(0.50, 0.44, 0.46))
+    assert (s["grpo_best"], s["grpo_best_step"]) == (0.45, 20)
+    assert (s["rlep_best"], s["rlep_best_step"]) == (0.46, 20)
+    assert s["rlep_reaches_baseline_best_at"] == 20
+
+
 def test_compare_reports_never_reaching_and_rejects_empty_curves():
     s = rl_experiment.compare(_curve(0.5, 0.7), _curve(0.5, 0.6))
     assert s["rlep_reaches_baseline_best_at"] is None
