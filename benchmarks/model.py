@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from _memory import PeakRSS
 
 from keye.config import TextConfig, VisionConfig, tiny_config
 from keye.model import vision as vision_mod
@@ -108,23 +108,15 @@ def _dense_block_attention(q, k, v, cu_seqlens, *, scale, causal, backend="sdpa"
     return out[0].transpose(0, 1).reshape(n, *q.shape[1:])
 
 
-def _current_rss_kib():
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 1024
-
-
 def _peak_child(dense, queue):
     torch.set_num_threads(2)
     model = build()
     pix = pixels(GRIDS)
     if dense:
         vision_mod.varlen_attention = _dense_block_attention
-    before = _current_rss_kib()
-    with torch.no_grad():
+    with torch.no_grad(), PeakRSS() as mem:
         model.visual(pix, GRIDS)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    queue.put((after - before) / 1024)  # KiB -> MiB
+    queue.put(mem.extra_mib)
 
 
 def peak_mib(dense):

@@ -2,7 +2,7 @@
 
 Launch::
 
-    keye train sft --config training/configs/tiny_synth.yaml                      # one CPU
+    keye train sft --config training/configs/tiny_synth_stage0.yaml               # one CPU (keye-tiny stage 0)
     torchrun --nproc_per_node 8 -m keye train sft --config training/configs/keye_vl_8b_sft.yaml \\
         model.path=Kwai-Keye/Keye-VL-1_5-8B data.manifest=/data/sft.jsonl
 
