@@ -80,7 +80,7 @@ def test_configs_load_and_validate(tmp_path):
     assert rlep.replay.enabled and not grpo.replay.enabled
     grpo.replay.enabled, grpo.replay.pool, grpo.checkpoint.out_dir = True, rlep.replay.pool, rlep.checkpoint.out_dir
     assert grpo == rlep
-    assert rlep.eval.manifest == "data/synth/test.jsonl" and rlep.eval.limit == 100 and rlep.eval.every > 0
+    assert rlep.eval.manifest == "data/synth/test.jsonl" and rlep.eval.limit == 200 and rlep.eval.every > 0
 
     with pytest.raises(KeyeConfigError, match="kl_coef > 0 needs algorithm.reference"):
         validate(load_config(RLEPConfig, None, ["algorithm.kl_coef=0.1"]))
