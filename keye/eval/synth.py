@@ -174,38 +174,34 @@ def majority_baseline(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _blank_scene(width: int, height: int, fps: Any = 0, frames: int = 1) -> Any:
+    from keye.data.synth import Scene
+
+    # No objects: the synthetic renderer then draws only the background, frame after frame.
+    return Scene(width, height, fps, frames / fps if fps else 0.0, [], "blank", "", "", "text")
+
+
 def _blank_video(src: Path, dest: Path) -> None:
     import av
-    import numpy as np
 
-    from keye.data.synth import BACKGROUND
+    from keye.data.synth import write_video
 
     with av.open(str(src)) as c:
         stream = c.streams.video[0]
         rate = stream.average_rate or stream.guessed_rate or 1
         n = sum(1 for _ in c.decode(video=0))
         w, h = stream.codec_context.width, stream.codec_context.height
-    frame = np.empty((h, w, 3), dtype=np.uint8)
-    frame[:] = BACKGROUND
-    with av.open(str(dest), "w") as out:
-        st = out.add_stream("libx264", rate=rate)
-        st.width, st.height, st.pix_fmt = w, h, "yuv420p"
-        st.options = {"preset": "ultrafast", "crf": "18", "threads": "1"}
-        for _ in range(n):
-            for packet in st.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                out.mux(packet)
-        for packet in st.encode():
-            out.mux(packet)
+    write_video(dest, _blank_scene(w, h, rate, n))
 
 
 def _blank_image(src: Path, dest: Path) -> None:
     from PIL import Image
 
-    from keye.data.synth import BACKGROUND
+    from keye.data.synth import write_image
 
     with Image.open(src) as im:
-        size = im.size
-    Image.new("RGB", size, BACKGROUND).save(dest, format="PNG")
+        w, h = im.size
+    write_image(dest, _blank_scene(w, h))
 
 
 def blank_items(items: Iterable[Mapping[str, Any]], media_dir: str | Path) -> list[dict[str, Any]]:
