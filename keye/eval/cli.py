@@ -342,7 +342,8 @@ def cmd_synth(args: argparse.Namespace, engine: Any = None) -> int:
     from keye.eval import synth
 
     items = synth.load_items(args.data)
-    if getattr(args, "blank", False):
+    blank = bool(getattr(args, "blank", False))  # absent when called with another command's arguments
+    if blank:
         if args.limit:
             items = items[: args.limit]
         items = synth.blank_items(items, Path(args.out) / "blank_media")
@@ -350,8 +351,7 @@ def cmd_synth(args: argparse.Namespace, engine: Any = None) -> int:
     if records is None:
         return 0
     overall, tables, result, per_item = _score_synth_records(records)
-    config = _run_config(args, blank=bool(getattr(args, "blank", False)))
-    _finish(Path(args.out), "synth", args.model, config, overall, tables, result, per_item)
+    _finish(Path(args.out), "synth", args.model, _run_config(args, blank=blank), overall, tables, result, per_item)
     return 0
 
 
