@@ -418,7 +418,8 @@ def collect_to_file(
     """``keye rlep collect``: phase A from a checkpoint directory and an RL manifest to a pool JSONL.
 
     Args:
-        policy: checkpoint directory (weights + processor files) of the seed policy.
+        policy: checkpoint directory (weights + processor files) of the seed policy, a hub id, or
+            ``keye-tiny`` (the embedded default).
         data: RL manifest (see :func:`keye.rl.data.load_rl_prompts`). out: pool JSONL path.
         n, temperature, top_p, max_new_tokens: sampling (RLEP: 64, 0.7, 0.95, 3072).
         reward: a :class:`keye.rewards.RewardSpec`, a YAML path or None (default spec); ignored when a
@@ -432,6 +433,10 @@ def collect_to_file(
     from keye.rl.rollout import LocalRollout, VLLMRollout
     from keye.rl.scoring import RewardScorer
 
+    if str(policy) == "keye-tiny":
+        from keye.tiny import tiny_dir
+
+        policy = tiny_dir()
     prompts = load_rl_prompts(data)
     processor = KeyeProcessor.from_pretrained(policy)
     if engine == "local":

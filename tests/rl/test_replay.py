@@ -183,3 +183,14 @@ def test_collect_to_file_from_a_checkpoint_and_manifest(tmp_path):
     assert set(pool.questions()) <= {"a", "b"} and len(pool.questions()) == stats.kept
     for q in pool.questions():
         assert all(e.token_ids and e.metadata["source"] == "collect" for e in pool.entries(q))
+
+
+def test_collect_to_file_accepts_the_embedded_default(tmp_path):
+    from keye.rl.replay import collect_to_file
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "How many shapes? Answer with a number."}],
+                                "answer": "1", "answer_kind": "numeric"}) + "\n")
+    stats = collect_to_file("keye-tiny", data, tmp_path / "pool.jsonl", n=2, max_new_tokens=2,
+                            scorer=lambda s: Scores([1.0] * len(s), [True] * len(s)))
+    assert stats.questions == 1 and stats.candidates == 2 and (tmp_path / "pool.jsonl").is_file()
