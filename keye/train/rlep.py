@@ -211,13 +211,15 @@ class RLLogSection:
 
 @dataclass
 class EvalSection:
-    """Periodic held-out greedy accuracy (written to metrics and ``eval_curve.json``)."""
+    """Periodic held-out accuracy, greedy and optionally avg@k sampled (metrics and ``eval_curve.json``)."""
 
     manifest: str | None = None  # held-out manifest; None disables evaluation
     limit: int | None = 100
     every: int = 0  # steps between evaluations (0: only before and after training)
     max_new_tokens: int = 32
     batch_size: int = 16
+    samples: int = 0  # > 0: also avg@k accuracy over k answers sampled at `temperature` per prompt
+    temperature: float = 1.0
 
 
 @dataclass
@@ -525,10 +527,19 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 # ---------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], scorer: RewardScorer, *,
-                    max_new_tokens: int, batch_size: int) -> dict[str, float]:
-    """Held-out accuracy: greedy answers scored by the reward's accuracy part (``passed``).
+                    max_new_tokens: int, batch_size: int, samples: int = 0, temperature: float = 1.0,
+                    seed: int = 0) -> dict[str, float]:
+    """Held-out accuracy: answers scored by the reward's accuracy part (``passed``).
 
-    Returns ``{"accuracy": fraction in [0, 1], "n": number of prompts}``.
+    With ``samples == 0`` one greedy answer per prompt (the official protocol). With ``samples = k > 0``
+    also ``k`` answers per prompt sampled at ``temperature`` (top-p 1, top-k 0: the policy's own
+    distribution, as in the rollouts), reported as ``sampled_accuracy`` = the mean over all ``k * n``
+    answers (avg@k, the quantity RL maximises). Sampling draws from a private generator seeded with
+    ``seed``, so every evaluation of a run uses the same random numbers (curves compare checkpoints, not
+    draws) and the training RNG stream is untouched.
+
+    Returns ``{"accuracy": fraction in [0, 1], "n": number of prompts}`` plus ``sampled_accuracy`` and
+    ``samples`` when ``samples > 0``.
     """
     from keye.processing.chat import apply_mode
     from keye.rl.logprobs import model_inputs as vision_inputs
@@ -538,26 +549,42 @@ def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], sco
     model.eval()
     eos = list(model.config.eos_token_ids)
     pad = int(processor.pad_token_id)
-    correct = 0
+    gen_rng = torch.Generator(device=model.device).manual_seed(seed)
+
+    def answer(chunk: list[RLPrompt], sample: bool) -> int:
+        batch = processor([apply_mode(p.messages, p.mode) for p in chunk], return_tensors="pt")
+        inputs = split_batch(batch, processor.image_token_id, processor.video_token_id,
+                             processor.image_processor.config.merge_size)
+        gen = collate_prompts(inputs, pad)
+        kw: dict[str, Any] = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                                  generator=gen_rng) if sample else dict(do_sample=False)
+        seqs = model.generate(gen["input_ids"].to(model.device), gen["attention_mask"].to(model.device),
+                              max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw,
+                              **vision_inputs(gen, model.device, model.dtype))
+        new = seqs[:, gen["input_ids"].shape[1] :].cpu()
+        lengths = response_lengths(new, eos)
+        rows = [RolloutSample(prompt=p, group=j, inputs=inp, response_ids=row[:k].clone(),
+                              text=processor.decode(row[:k], skip_special_tokens=True), finished=True)
+                for j, (p, inp, row, k) in enumerate(zip(chunk, inputs, new, lengths.tolist()))]
+        return sum(bool(x) for x in scorer(rows).passed)
+
+    correct = sampled = 0
     try:
-        for i in range(0, len(prompts), batch_size):
-            chunk = list(prompts[i : i + batch_size])
-            batch = processor([apply_mode(p.messages, p.mode) for p in chunk], return_tensors="pt")
-            inputs = split_batch(batch, processor.image_token_id, processor.video_token_id,
-                                 processor.image_processor.config.merge_size)
-            gen = collate_prompts(inputs, pad)
-            seqs = model.generate(gen["input_ids"].to(model.device), gen["attention_mask"].to(model.device),
-                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                                  **vision_inputs(gen, model.device, model.dtype))
-            new = seqs[:, gen["input_ids"].shape[1] :].cpu()
-            lengths = response_lengths(new, eos)
-            samples = [RolloutSample(prompt=p, group=j, inputs=inp, response_ids=row[:k].clone(),
-                                     text=processor.decode(row[:k], skip_special_tokens=True), finished=True)
-                       for j, (p, inp, row, k) in enumerate(zip(chunk, inputs, new, lengths.tolist()))]
-            correct += sum(bool(x) for x in scorer(samples).passed)
+        with torch.no_grad():
+            for i in range(0, len(prompts), batch_size):
+                chunk = list(prompts[i : i + batch_size])
+                correct += answer(chunk, sample=False)
+                if samples > 0:  # each prompt repeated k times, k-answer groups decoded together
+                    reps = [p for p in chunk for _ in range(samples)]
+                    for j in range(0, len(reps), batch_size * samples):
+                        sampled += answer(reps[j : j + batch_size * samples], sample=True)
     finally:
         model.train(was_training)
-    return {"accuracy": correct / max(len(prompts), 1), "n": float(len(prompts))}
+    n = max(len(prompts), 1)
+    res = {"accuracy": correct / n, "n": float(len(prompts))}
+    if samples > 0:
+        res.update(sampled_accuracy=sampled / (n * samples), samples=float(samples))
+    return res
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -686,9 +713,10 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             return
         if info.is_main:
             res = greedy_accuracy(model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
-                                  batch_size=cfg.eval.batch_size)
+                                  batch_size=cfg.eval.batch_size, samples=cfg.eval.samples,
+                                  temperature=cfg.eval.temperature, seed=cfg.train.seed)
             state["eval_curve"].append({"step": step, **res})
-            metrics.write(step, {"eval/accuracy": res["accuracy"], "eval/n": res["n"]})
+            metrics.write(step, {f"eval/{k}": v for k, v in res.items()})
             (out_dir / "eval_curve.json").write_text(json.dumps(state["eval_curve"], indent=2))
         state["eval_curve"] = kdist.broadcast_object(state["eval_curve"])
 

@@ -80,7 +80,8 @@ def test_configs_load_and_validate(tmp_path):
     assert rlep.replay.enabled and not grpo.replay.enabled
     grpo.replay.enabled, grpo.replay.pool, grpo.checkpoint.out_dir = True, rlep.replay.pool, rlep.checkpoint.out_dir
     assert grpo == rlep
-    assert rlep.eval.manifest == "data/synth/test.jsonl" and rlep.eval.limit == 200 and rlep.eval.every > 0
+    assert rlep.eval.manifest == "data/synth/test.jsonl" and rlep.eval.limit == 500 and rlep.eval.every > 0
+    assert rlep.eval.samples == 4 and rlep.algorithm.kl_coef > 0 and rlep.algorithm.reference
 
     with pytest.raises(KeyeConfigError, match="kl_coef > 0 needs algorithm.reference"):
         validate(load_config(RLEPConfig, None, ["algorithm.kl_coef=0.1"]))
@@ -207,6 +208,48 @@ def test_short_rlep_run_replays_logs_evaluates_and_exports(tiny_ckpt, rl_set, tm
     final = KeyeVL.from_pretrained(run / "final").state_dict()
     start = KeyeVL.from_pretrained(tiny_ckpt).state_dict()
     assert any(not torch.equal(final[k], start[k]) for k in start)
+
+
+def test_held_out_accuracy_greedy_and_sampled(tiny_ckpt, rl_set):
+    from keye.processing.processor import KeyeProcessor
+    from keye.rl import load_rl_prompts
+    from keye.train.rlep import greedy_accuracy
+
+    model = KeyeVL.from_pretrained(tiny_ckpt)
+    proc = KeyeProcessor.from_pretrained(tiny_ckpt)
+    prompts = load_rl_prompts(rl_set["test"])
+
+    class Half:  # passes answers whose first token id is even: about half, so changes in the decoding show
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, samples):
+            self.seen += [s.response_ids.tolist() for s in samples]
+            return type("Scores", (), {"passed": [len(s.response_ids) > 0 and int(s.response_ids[0]) % 2 == 0
+                                                  for s in samples]})()
+
+    scorer = Half()
+    kw = dict(max_new_tokens=3, batch_size=4)  # one chunk: the greedy answers, then the sampled ones
+    greedy = greedy_accuracy(model, proc, prompts, scorer, **kw)
+    assert set(greedy) == {"accuracy", "n"} and greedy["n"] == len(prompts) == len(scorer.seen)
+    passed = sum(len(r) > 0 and r[0] % 2 == 0 for r in scorer.seen)
+    assert greedy["accuracy"] == passed / len(prompts)
+
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    scorer.seen = []
+    a = greedy_accuracy(model, proc, prompts, scorer, samples=5, temperature=1.0, seed=3, **kw)
+    assert torch.equal(torch.rand(3), expected_next)  # sampling leaves the training RNG stream alone
+    assert a["accuracy"] == greedy["accuracy"] and a["samples"] == 5
+    assert len(scorer.seen) == len(prompts) * (1 + 5)
+    sampled = scorer.seen[len(prompts) :]
+    assert a["sampled_accuracy"] == sum(len(r) > 0 and r[0] % 2 == 0 for r in sampled) / (5 * len(prompts))
+    b = greedy_accuracy(model, proc, prompts, scorer, samples=5, temperature=1.0, seed=3, **kw)
+    assert b == a  # a private generator: the same seed draws the same answers at every evaluation
+    # at a vanishing temperature every sample is the greedy answer
+    cold = greedy_accuracy(model, proc, prompts, scorer, samples=3, temperature=1e-6, seed=0, **kw)
+    assert cold["sampled_accuracy"] == pytest.approx(greedy["accuracy"])
 
 
 @pytest.mark.slow
