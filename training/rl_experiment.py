@@ -4,12 +4,15 @@ Both runs start from the same SFT checkpoint with the same seed, prompts and ste
 (``training/configs/tiny_synth_grpo.yaml`` and ``tiny_synth_rlep.yaml`` differ only in ``replay``).
 Steps, each skipped when its output already exists so an interrupted experiment resumes:
 
-  1. the RL question set: the first ``--questions`` rows of ``data/synth/train.jsonl``
+  1. the RL question set: the first ``--questions`` rows of ``data/synth/train.jsonl`` whose answer kind
+     is ``--kind`` (default numeric: keye-tiny answers the multiple-choice types with one constant letter,
+     so their rewards carry no signal)
   2. phase A: ``keye rlep collect`` samples ``--n`` answers per question from the SFT start and keeps
      the verified ones (the replay pool)
   3. the GRPO baseline run, then the RLEP run (each resumes from its own checkpoints)
-  4. ``report.json`` and ``report.md`` in ``--out``: both held-out accuracy curves, the SFT start, the
-     baseline's best and the first step at which RLEP reaches it
+  4. ``report.json`` and ``report.md`` in ``--out``: both held-out accuracy curves (greedy, and avg@k
+     sampled when the configs set ``eval.samples``), the SFT start, the baseline's best and the first step
+     at which RLEP reaches it
 
 Usage:
   python training/rl_experiment.py --policy runs/tiny/final --steps 40
@@ -35,8 +38,9 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO)
 
 
-def compare(grpo: list[dict[str, Any]], rlep: list[dict[str, Any]]) -> dict[str, Any]:
-    """Summarise two held-out curves (lists of ``{"step", "accuracy", "n"}``, step 0 = the start).
+def compare(grpo: list[dict[str, Any]], rlep: list[dict[str, Any]], key: str = "accuracy") -> dict[str, Any]:
+    """Summarise two held-out curves (lists of ``{"step", "accuracy", "n"}``, step 0 = the start), on
+    ``key`` (``accuracy``: greedy; ``sampled_accuracy``: avg@k).
 
     Returns the start accuracy, each run's best over its RL steps (step > 0 when the curve has any; value
     and first step reaching it), and ``rlep_reaches_baseline_best_at``: the first RLEP step > 0 whose
@@ -51,38 +55,52 @@ def compare(grpo: list[dict[str, Any]], rlep: list[dict[str, Any]]) -> dict[str,
 
     def best(curve: list[dict[str, Any]]) -> tuple[float, int]:
         curve = trained(curve)
-        top = max(c["accuracy"] for c in curve)
-        return top, min(c["step"] for c in curve if c["accuracy"] == top)
+        top = max(c[key] for c in curve)
+        return top, min(c["step"] for c in curve if c[key] == top)
 
     g_best, g_step = best(grpo)
     r_best, r_step = best(rlep)
-    reach = next((c["step"] for c in sorted(trained(rlep), key=lambda c: c["step"]) if c["accuracy"] >= g_best), None)
+    reach = next((c["step"] for c in sorted(trained(rlep), key=lambda c: c["step"]) if c[key] >= g_best), None)
     return {
-        "start_accuracy": grpo[0]["accuracy"] if grpo[0]["step"] == 0 else None,
+        "metric": key,
+        "start_accuracy": grpo[0][key] if grpo[0]["step"] == 0 else None,
         "grpo_best": g_best, "grpo_best_step": g_step,
         "rlep_best": r_best, "rlep_best_step": r_step,
         "rlep_reaches_baseline_best_at": reach,
-        "grpo_final": grpo[-1]["accuracy"], "rlep_final": rlep[-1]["accuracy"],
+        "grpo_final": grpo[-1][key], "rlep_final": rlep[-1][key],
         "n_eval": int(grpo[0]["n"]),
     }
 
 
-def markdown(summary: dict[str, Any], grpo: list[dict[str, Any]], rlep: list[dict[str, Any]]) -> str:
-    """The README table: held-out accuracy (%) per evaluated step for both runs, then the summary."""
-    by_step = {c["step"]: [c["accuracy"], None] for c in grpo}
-    for c in rlep:
-        by_step.setdefault(c["step"], [None, None])[1] = c["accuracy"]
+def markdown(summary: dict[str, Any], grpo: list[dict[str, Any]], rlep: list[dict[str, Any]],
+             sampled: dict[str, Any] | None = None) -> str:
+    """The README table: held-out accuracy (%) per evaluated step for both runs (greedy, and avg@k sampled
+    when ``sampled``, the :func:`compare` summary on ``sampled_accuracy``, is given), then the summaries."""
+    keys = ["accuracy"] + (["sampled_accuracy"] if sampled else [])
+    by_step: dict[int, list[Any]] = {}
+    for col, curve in enumerate((grpo, rlep)):
+        for c in curve:
+            row = by_step.setdefault(c["step"], [None] * (2 * len(keys)))
+            for j, key in enumerate(keys):
+                row[2 * j + col] = c.get(key)
     fmt = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
-    lines = ["| RL step | GRPO baseline % | RLEP % |", "|---|---|---|"]
-    lines += [f"| {s} | {fmt(a)} | {fmt(b)} |" for s, (a, b) in sorted(by_step.items())]
-    reach = summary["rlep_reaches_baseline_best_at"]
+    head = ["GRPO baseline %", "RLEP %"]
+    if sampled:
+        k = int(next(c["samples"] for c in grpo if "samples" in c))
+        head = ["GRPO greedy %", "RLEP greedy %", f"GRPO avg@{k} %", f"RLEP avg@{k} %"]
+    lines = ["| RL step | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    lines += [f"| {s} | " + " | ".join(fmt(v) for v in row) + " |" for s, row in sorted(by_step.items())]
     lines.append("")
-    lines.append(
-        f"Held-out accuracy on {summary['n_eval']} questions. SFT start {fmt(summary['start_accuracy'])} %; "
-        f"best after training: GRPO {fmt(summary['grpo_best'])} % (step {summary['grpo_best_step']}), RLEP "
-        f"{fmt(summary['rlep_best'])} % (step {summary['rlep_best_step']}); RLEP reaches the baseline's best "
-        + (f"at step {reach}." if reach is not None else "within the budget: no.")
-    )
+    for name, summ in (("greedy accuracy" if sampled else "accuracy", summary), ("avg@k sampled accuracy", sampled)):
+        if not summ:
+            continue
+        reach = summ["rlep_reaches_baseline_best_at"]
+        lines.append(
+            f"Held-out {name} on {summ['n_eval']} questions. SFT start {fmt(summ['start_accuracy'])} %; "
+            f"best after training: GRPO {fmt(summ['grpo_best'])} % (step {summ['grpo_best_step']}), RLEP "
+            f"{fmt(summ['rlep_best'])} % (step {summ['rlep_best_step']}); RLEP reaches the baseline's best "
+            + (f"at step {reach}." if reach is not None else "within the budget: no.")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -91,7 +109,9 @@ def main() -> int:
     ap.add_argument("--policy", default="runs/tiny/final", help="the SFT start (a checkpoint dir or keye-tiny)")
     ap.add_argument("--data", default="data/synth/train.jsonl", help="source of the RL questions")
     ap.add_argument("--test", default="data/synth/test.jsonl", help="held-out manifest for the curves")
-    ap.add_argument("--questions", type=int, default=1000, help="RL questions (the first rows of --data)")
+    ap.add_argument("--questions", type=int, default=2000, help="RL questions (the first rows of --data of --kind)")
+    ap.add_argument("--kind", default="numeric", choices=["numeric", "mc", "all"],
+                    help="answer kind of the RL questions (numeric: the types keye-tiny reads from the video)")
     ap.add_argument("--n", type=int, default=8, help="answers sampled per question for the pool")
     ap.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: the configs')")
     ap.add_argument("--out", default="runs/rl_experiment")
@@ -101,9 +121,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     src = Path(args.data)
     # The question set sits next to its source so relative media paths keep resolving.
-    questions = src.parent / f"rl_train_{args.questions}.jsonl"
+    questions = src.parent / f"rl_train_{args.kind}_{args.questions}.jsonl"
     if not questions.is_file():
-        rows = src.read_text().splitlines()[: args.questions]
+        rows = [r for r in src.read_text().splitlines()
+                if r.strip() and args.kind in ("all", json.loads(r).get("answer_kind"))][: args.questions]
+        if not rows:
+            raise SystemExit(f"{src}: no questions of answer kind {args.kind!r}")
         questions.write_text("\n".join(rows) + "\n")
     pool = out / "pool.jsonl"
     if not pool.is_file():
@@ -121,8 +144,10 @@ def main() -> int:
                  *common, *extra, f"checkpoint.out_dir={run_dir}", *args.overrides])
         curves[name] = json.loads((run_dir / "eval_curve.json").read_text())
     summary = compare(curves["grpo"], curves["rlep"])
-    (out / "report.json").write_text(json.dumps({"summary": summary, **curves}, indent=2))
-    md = markdown(summary, curves["grpo"], curves["rlep"])
+    has_sampled = all("sampled_accuracy" in c for curve in curves.values() for c in curve)
+    sampled = compare(curves["grpo"], curves["rlep"], "sampled_accuracy") if has_sampled else None
+    (out / "report.json").write_text(json.dumps({"summary": summary, "sampled_summary": sampled, **curves}, indent=2))
+    md = markdown(summary, curves["grpo"], curves["rlep"], sampled)
     (out / "report.md").write_text(md)
     print(md)
     return 0

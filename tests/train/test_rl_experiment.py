@@ -47,6 +47,20 @@ def test_compare_reports_never_reaching_and_rejects_empty_curves():
         rl_experiment.compare([], _curve(0.5))
 
 
+def test_markdown_with_sampled_accuracy_has_four_columns():
+    def curve(*pairs):
+        return [{"step": 10 * i, "accuracy": a, "sampled_accuracy": b, "samples": 4.0, "n": 100.0}
+                for i, (a, b) in enumerate(pairs)]
+
+    g, r = curve((0.5, 0.3), (0.4, 0.35)), curve((0.5, 0.3), (0.45, 0.4))
+    s, samp = rl_experiment.compare(g, r), rl_experiment.compare(g, r, "sampled_accuracy")
+    assert (samp["start_accuracy"], samp["grpo_best"], samp["rlep_best"]) == (0.3, 0.35, 0.4)
+    md = rl_experiment.markdown(s, g, r, samp)
+    assert "| RL step | GRPO greedy % | RLEP greedy % | GRPO avg@4 % | RLEP avg@4 % |" in md
+    assert "| 10 | 40.0 | 45.0 | 35.0 | 40.0 |" in md
+    assert "avg@k sampled accuracy on 100 questions. SFT start 30.0 %" in md
+
+
 def test_markdown_table_lists_every_step_of_both_runs():
     g, r = _curve(0.5, 0.6), _curve(0.5, 0.625, 0.7)
     md = rl_experiment.markdown(rl_experiment.compare(g, r), g, r)
@@ -62,7 +76,7 @@ def test_test_sized_experiment_runs_both_configs_from_one_start(tiny_ckpt, synth
     data.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=cost)[:3]))
     out = tmp_path / "rlx"
     cmd = [sys.executable, "training/rl_experiment.py", "--policy", str(tiny_ckpt), "--data", str(data),
-           "--test", str(synth_set["test"]), "--questions", "3", "--n", "2", "--steps", "2", "--out", str(out),
+           "--test", str(synth_set["test"]), "--questions", "3", "--kind", "all", "--n", "2", "--steps", "2", "--out", str(out),
            "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4", "eval.limit=2", "eval.every=1",
            "eval.max_new_tokens=3", "algorithm.micro_batch_size=4", "log.progress=false", "log.tensorboard=false",
            "train.device=cpu"]
@@ -75,11 +89,15 @@ def test_test_sized_experiment_runs_both_configs_from_one_start(tiny_ckpt, synth
     # one start: both runs evaluate the same SFT checkpoint greedily before their first step
     assert report["grpo"][0]["accuracy"] == report["rlep"][0]["accuracy"] == report["summary"]["start_accuracy"]
     assert report["summary"] == rl_experiment.compare(report["grpo"], report["rlep"])
+    # the committed configs also sample 4 answers per held-out question (avg@4)
+    assert report["sampled_summary"] == rl_experiment.compare(report["grpo"], report["rlep"], "sampled_accuracy")
+    assert all(c["samples"] == 4 for c in report["grpo"] + report["rlep"])
+    assert "avg@4" in (out / "report.md").read_text()
     grpo_cfg = (out / "grpo" / "config.yaml").read_text()
     rlep_cfg = (out / "rlep" / "config.yaml").read_text()
     assert "enabled: false" in grpo_cfg.split("replay:")[1].split("\n\n")[0].split("algorithm:")[0]
     assert str(out / "pool.jsonl") in rlep_cfg
-    assert "| RL step | GRPO baseline % | RLEP % |" in (out / "report.md").read_text()
+    assert "| RL step | GRPO greedy % | RLEP greedy % | GRPO avg@4 % | RLEP avg@4 % |" in (out / "report.md").read_text()
     # rerunning resumes: every step's output exists, so nothing is recomputed and the report is identical
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "keye train rlep" not in again.stdout
