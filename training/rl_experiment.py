@@ -10,7 +10,9 @@ Steps, each skipped when its output already exists so an interrupted experiment 
   2. phase A: ``keye rlep collect`` samples ``--n`` answers per question from the SFT start and keeps
      the verified ones (the replay pool)
   3. the GRPO baseline run, then the RLEP run (each resumes from its own checkpoints)
-  4. ``report.json`` and ``report.md`` in ``--out``: both held-out accuracy curves (greedy, and avg@k
+  4. a paired final comparison: greedy and avg@``--final-samples`` answers of the start and both final
+     checkpoints on every held-out question (``final_comparison.json``)
+  5. ``report.json`` and ``report.md`` in ``--out``: both held-out accuracy curves (greedy, and avg@k
      sampled when the configs set ``eval.samples``), the SFT start, the baseline's best and the first step
      at which RLEP reaches it
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +107,74 @@ def markdown(summary: dict[str, Any], grpo: list[dict[str, Any]], rlep: list[dic
     return "\n".join(lines) + "\n"
 
 
+def paired(start: dict[str, list[int]], run: dict[str, list[int]], kinds: dict[str, str]) -> dict[str, Any]:
+    """Paired change from the SFT start to a trained run, per question, overall and per answer kind.
+
+    ``start`` / ``run`` map question id to ``[greedy passed, sampled passed, sampled n]`` (the
+    ``per_prompt`` table of :func:`keye.train.rlep.greedy_accuracy`, same questions and sampling seed).
+    For each group and each metric (``greedy``, ``sampled``) returns the start and run means and the mean
+    per-question difference with its standard error (sample std / sqrt(n)).
+    """
+    out: dict[str, Any] = {}
+    for group in ("all", *sorted(set(kinds.values()))):
+        ids = [i for i in start if group == "all" or kinds.get(i) == group]
+        if not ids:
+            continue
+        row: dict[str, Any] = {"n": len(ids)}
+        for metric, value in (("greedy", lambda t: float(t[0])), ("sampled", lambda t: t[1] / t[2])):
+            a = [value(start[i]) for i in ids]
+            d = [value(run[i]) - value(start[i]) for i in ids]
+            mean = sum(d) / len(d)
+            var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
+            row[metric] = {"start": sum(a) / len(a), "run": sum(a) / len(a) + mean, "diff": mean,
+                           "se": math.sqrt(var / len(d))}
+        out[group] = row
+    return out
+
+
+def final_comparison(policy: str, runs: dict[str, Path], test: Path, samples: int, out: Path) -> dict[str, Any]:
+    """Greedy and avg@``samples`` answers of the SFT start and each run's final checkpoint on every
+    question of ``test`` (one sampling seed for all), and the paired changes (:func:`paired`)."""
+    import torch
+
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+    from keye.rewards import RewardSpec
+    from keye.rl import RewardScorer, load_rl_prompts
+    from keye.train.rlep import greedy_accuracy
+    from keye.train.sft import resolve_model_path
+
+    torch.set_flush_denormal(True)
+    prompts = load_rl_prompts(test)
+    kinds = {json.loads(r)["id"]: json.loads(r).get("answer_kind", "?") for r in test.read_text().splitlines() if r}
+    scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"]}))
+    tables = {}
+    for name, path in {"start": policy, **{k: str(v / "final") for k, v in runs.items()}}.items():
+        path = resolve_model_path(path)
+        model = KeyeVL.from_pretrained(path, torch_dtype="float32")
+        res = greedy_accuracy(model, KeyeProcessor.from_pretrained(path), prompts, scorer, max_new_tokens=16,
+                              batch_size=25, samples=samples, seed=0, per_prompt=True)
+        tables[name] = res["per_prompt"]
+        print(f"final comparison: {name} greedy {res['accuracy']:.3f} avg@{samples} {res['sampled_accuracy']:.3f}",
+              flush=True)
+    result = {"samples": samples, "n": len(prompts),
+              "paired": {k: paired(tables["start"], tables[k], kinds) for k in runs}}
+    (out / "final_comparison.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def final_markdown(result: dict[str, Any]) -> str:
+    """The paired final comparison as a table: start -> run (difference +- standard error), in %."""
+    k = result["samples"]
+    lines = [f"| run | questions | greedy % | avg@{k} % |", "|---|---|---|---|"]
+    for name, groups in result["paired"].items():
+        for group, row in groups.items():
+            cells = [f"{100 * row[m]['start']:.1f} -> {100 * row[m]['run']:.1f} ({100 * row[m]['diff']:+.1f} "
+                     f"+- {100 * row[m]['se']:.1f})" for m in ("greedy", "sampled")]
+            lines.append(f"| {name.upper()} | {group} ({row['n']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="runs/tiny/final", help="the SFT start (a checkpoint dir or keye-tiny)")
@@ -115,6 +186,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=8, help="answers sampled per question for the pool")
     ap.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: the configs')")
     ap.add_argument("--out", default="runs/rl_experiment")
+    ap.add_argument("--final-samples", type=int, default=8,
+                    help="answers sampled per held-out question for the paired final comparison (0: skip it)")
     ap.add_argument("overrides", nargs="*", help="dot-list overrides for both runs")
     args = ap.parse_args()
     out = Path(args.out)
@@ -148,6 +221,13 @@ def main() -> int:
     sampled = compare(curves["grpo"], curves["rlep"], "sampled_accuracy") if has_sampled else None
     (out / "report.json").write_text(json.dumps({"summary": summary, "sampled_summary": sampled, **curves}, indent=2))
     md = markdown(summary, curves["grpo"], curves["rlep"], sampled)
+    if args.final_samples > 0:
+        final_path = out / "final_comparison.json"
+        final = (json.loads(final_path.read_text()) if final_path.is_file() else
+                 final_comparison(args.policy, {n: out / n for n in ("grpo", "rlep")}, Path(args.test),
+                                  args.final_samples, out))
+        md += ("\nFinal checkpoints vs the SFT start on every held-out question, paired per question "
+               f"(avg@{final['samples']} at temperature 1, one sampling seed):\n\n" + final_markdown(final))
     (out / "report.md").write_text(md)
     print(md)
     return 0

@@ -528,7 +528,7 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 @torch.no_grad()
 def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], scorer: RewardScorer, *,
                     max_new_tokens: int, batch_size: int, samples: int = 0, temperature: float = 1.0,
-                    seed: int = 0) -> dict[str, float]:
+                    seed: int = 0, per_prompt: bool = False) -> dict[str, Any]:
     """Held-out accuracy: answers scored by the reward's accuracy part (``passed``).
 
     With ``samples == 0`` one greedy answer per prompt (the official protocol). With ``samples = k > 0``
@@ -539,7 +539,8 @@ def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], sco
     draws) and the training RNG stream is untouched.
 
     Returns ``{"accuracy": fraction in [0, 1], "n": number of prompts}`` plus ``sampled_accuracy`` and
-    ``samples`` when ``samples > 0``.
+    ``samples`` when ``samples > 0``, and with ``per_prompt`` a ``per_prompt`` mapping of prompt id to
+    ``[greedy passed (0/1), sampled answers passed, answers sampled]`` (for paired comparisons).
     """
     from keye.processing.chat import apply_mode
     from keye.rl.logprobs import model_inputs as vision_inputs
@@ -550,6 +551,8 @@ def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], sco
     eos = list(model.config.eos_token_ids)
     pad = int(processor.pad_token_id)
     gen_rng = torch.Generator(device=model.device).manual_seed(seed)
+
+    table: dict[str, list[int]] = {p.id: [0, 0, 0] for p in prompts}
 
     def answer(chunk: list[RLPrompt], sample: bool) -> int:
         batch = processor([apply_mode(p.messages, p.mode) for p in chunk], return_tensors="pt")
@@ -566,7 +569,14 @@ def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], sco
         rows = [RolloutSample(prompt=p, group=j, inputs=inp, response_ids=row[:k].clone(),
                               text=processor.decode(row[:k], skip_special_tokens=True), finished=True)
                 for j, (p, inp, row, k) in enumerate(zip(chunk, inputs, new, lengths.tolist()))]
-        return sum(bool(x) for x in scorer(rows).passed)
+        passed = [bool(x) for x in scorer(rows).passed]
+        for p, ok in zip(chunk, passed):
+            if sample:
+                table[p.id][1] += ok
+                table[p.id][2] += 1
+            else:
+                table[p.id][0] = int(ok)
+        return sum(passed)
 
     correct = sampled = 0
     try:
@@ -581,9 +591,11 @@ def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], sco
     finally:
         model.train(was_training)
     n = max(len(prompts), 1)
-    res = {"accuracy": correct / n, "n": float(len(prompts))}
+    res: dict[str, Any] = {"accuracy": correct / n, "n": float(len(prompts))}
     if samples > 0:
         res.update(sampled_accuracy=sampled / (n * samples), samples=float(samples))
+    if per_prompt:
+        res["per_prompt"] = table
     return res
 
 

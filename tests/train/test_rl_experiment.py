@@ -61,6 +61,22 @@ def test_markdown_with_sampled_accuracy_has_four_columns():
     assert "avg@k sampled accuracy on 100 questions. SFT start 30.0 %" in md
 
 
+def test_paired_differences_and_standard_errors():
+    start = {"a": [1, 2, 4], "b": [0, 0, 4], "c": [1, 4, 4]}
+    run = {"a": [0, 3, 4], "b": [1, 2, 4], "c": [1, 4, 4]}
+    p = rl_experiment.paired(start, run, {"a": "numeric", "b": "numeric", "c": "mc"})
+    assert list(p) == ["all", "mc", "numeric"] and p["all"]["n"] == 3 and p["numeric"]["n"] == 2
+    g, smp = p["all"]["greedy"], p["all"]["sampled"]
+    assert (g["start"], g["diff"]) == (pytest.approx(2 / 3), 0.0) and g["se"] == pytest.approx((1 / 3) ** 0.5)
+    assert smp["start"] == pytest.approx(0.5) and smp["run"] == pytest.approx(0.75)
+    assert smp["diff"] == pytest.approx(0.25) and smp["se"] == pytest.approx((0.0625 / 3) ** 0.5)
+    assert p["numeric"]["greedy"]["se"] == pytest.approx(1.0)
+    assert p["numeric"]["sampled"]["diff"] == pytest.approx(0.375) and p["numeric"]["sampled"]["se"] == pytest.approx(0.125)
+    assert p["mc"]["sampled"] == {"start": 1.0, "run": 1.0, "diff": 0.0, "se": 0.0}
+    md = rl_experiment.final_markdown({"samples": 4, "n": 3, "paired": {"rlep": p}})
+    assert "| RLEP | numeric (2) | 50.0 -> 50.0 (+0.0 +- 100.0) | 25.0 -> 62.5 (+37.5 +- 12.5) |" in md
+
+
 def test_markdown_table_lists_every_step_of_both_runs():
     g, r = _curve(0.5, 0.6), _curve(0.5, 0.625, 0.7)
     md = rl_experiment.markdown(rl_experiment.compare(g, r), g, r)
@@ -76,7 +92,7 @@ def test_test_sized_experiment_runs_both_configs_from_one_start(tiny_ckpt, synth
     data.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=cost)[:3]))
     out = tmp_path / "rlx"
     cmd = [sys.executable, "training/rl_experiment.py", "--policy", str(tiny_ckpt), "--data", str(data),
-           "--test", str(synth_set["test"]), "--questions", "3", "--kind", "all", "--n", "2", "--steps", "2", "--out", str(out),
+           "--test", str(synth_set["test"]), "--questions", "3", "--kind", "all", "--n", "2", "--final-samples", "2", "--steps", "2", "--out", str(out),
            "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4", "eval.limit=2", "eval.every=1",
            "eval.max_new_tokens=3", "algorithm.micro_batch_size=4", "log.progress=false", "log.tensorboard=false",
            "train.device=cpu"]
@@ -93,6 +109,10 @@ def test_test_sized_experiment_runs_both_configs_from_one_start(tiny_ckpt, synth
     assert report["sampled_summary"] == rl_experiment.compare(report["grpo"], report["rlep"], "sampled_accuracy")
     assert all(c["samples"] == 4 for c in report["grpo"] + report["rlep"])
     assert "avg@4" in (out / "report.md").read_text()
+    final = json.loads((out / "final_comparison.json").read_text())
+    assert final["samples"] == 2 and set(final["paired"]) == {"grpo", "rlep"}
+    assert final["paired"]["rlep"]["all"]["n"] == final["n"] == len(synth_set["test"].read_text().splitlines())
+    assert "| RLEP | all (" in (out / "report.md").read_text()
     grpo_cfg = (out / "grpo" / "config.yaml").read_text()
     rlep_cfg = (out / "rlep" / "config.yaml").read_text()
     assert "enabled: false" in grpo_cfg.split("replay:")[1].split("\n\n")[0].split("algorithm:")[0]

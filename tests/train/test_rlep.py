@@ -245,8 +245,12 @@ def test_held_out_accuracy_greedy_and_sampled(tiny_ckpt, rl_set):
     assert len(scorer.seen) == len(prompts) * (1 + 5)
     sampled = scorer.seen[len(prompts) :]
     assert a["sampled_accuracy"] == sum(len(r) > 0 and r[0] % 2 == 0 for r in sampled) / (5 * len(prompts))
-    b = greedy_accuracy(model, proc, prompts, scorer, samples=5, temperature=1.0, seed=3, **kw)
+    b = greedy_accuracy(model, proc, prompts, scorer, samples=5, temperature=1.0, seed=3, per_prompt=True, **kw)
+    table = b.pop("per_prompt")
     assert b == a  # a private generator: the same seed draws the same answers at every evaluation
+    assert set(table) == {p.id for p in prompts} and all(t[2] == 5 for t in table.values())
+    assert sum(t[0] for t in table.values()) == greedy["accuracy"] * len(prompts)
+    assert sum(t[1] for t in table.values()) == a["sampled_accuracy"] * 5 * len(prompts)
     # at a vanishing temperature every sample is the greedy answer
     cold = greedy_accuracy(model, proc, prompts, scorer, samples=3, temperature=1e-6, seed=0, **kw)
     assert cold["sampled_accuracy"] == pytest.approx(greedy["accuracy"])
