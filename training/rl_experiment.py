@@ -17,7 +17,7 @@ Steps, each skipped when its output already exists so an interrupted experiment 
      at which RLEP reaches it
 
 Usage:
-  python training/rl_experiment.py --policy runs/tiny/final --steps 40
+  python training/rl_experiment.py                      # the committed experiment, from keye-tiny
   python training/rl_experiment.py --policy keye-tiny --steps 2 --questions 8 --n 4 --out /tmp/rlx \\
       eval.limit=4          # test-sized: the same configs and code path, seconds not minutes
 Extra ``key=value`` arguments are dot-list overrides applied to both runs.
@@ -177,7 +177,7 @@ def final_markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="runs/tiny/final", help="the SFT start (a checkpoint dir or keye-tiny)")
+    ap.add_argument("--policy", default="keye-tiny", help="the SFT start (a checkpoint dir or keye-tiny)")
     ap.add_argument("--data", default="data/synth/train.jsonl", help="source of the RL questions")
     ap.add_argument("--test", default="data/synth/test.jsonl", help="held-out manifest for the curves")
     ap.add_argument("--questions", type=int, default=2000, help="RL questions (the first rows of --data of --kind)")
