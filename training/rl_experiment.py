@@ -18,8 +18,8 @@ Steps, each skipped when its output already exists so an interrupted experiment 
 
 Usage:
   python training/rl_experiment.py                      # the committed experiment, from keye-tiny
-  python training/rl_experiment.py --policy keye-tiny --steps 2 --questions 8 --n 4 --out /tmp/rlx \\
-      eval.limit=4          # test-sized: the same configs and code path, seconds not minutes
+  python training/rl_experiment.py --steps 2 --questions 8 --n 4 --final-samples 0 --out /tmp/rlx \\
+      eval.limit=4 eval.samples=2   # test-sized: the same configs and code path, seconds not minutes
 Extra ``key=value`` arguments are dot-list overrides applied to both runs.
 """
 
