@@ -9,11 +9,13 @@ command that rebuilt it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from keye.errors import KeyeConfigError
 
-TINY_DIR = Path(__file__).resolve().parent / "assets" / "keye-tiny"
+TINY_NAME = "keye-tiny"
+TINY_DIR = Path(__file__).resolve().parent / "assets" / TINY_NAME
 
 
 def tiny_dir() -> Path:
@@ -24,6 +26,13 @@ def tiny_dir() -> Path:
             "python training/build_tiny.py --install"
         )
     return TINY_DIR
+
+
+def resolve_model_path(name: str | os.PathLike[str]) -> str:
+    """Where a ``--model`` / ``model.path`` value points: ``"keye-tiny"`` -> the embedded checkpoint's
+    directory (:func:`tiny_dir`, which raises :class:`KeyeConfigError` when it is not installed); anything
+    else (a local directory or a hub id ``owner/name``) is returned unchanged, as a string."""
+    return str(tiny_dir()) if str(name) == TINY_NAME else str(name)
 
 
 def load_tiny(device: str = "cpu"):

@@ -39,3 +39,12 @@ def test_keye_tiny_answers_held_out_questions_in_format(tiny, tmp_path):
         else:
             assert float(text) >= 0, (text, item["id"])
         assert extract(answer, item) is not None
+
+
+def test_resolve_model_path_names_the_embedded_default(tmp_path):
+    from keye.tiny import TINY_DIR, resolve_model_path
+
+    assert resolve_model_path("keye-tiny") == str(TINY_DIR)
+    assert (TINY_DIR / "config.json").is_file()
+    assert resolve_model_path(tmp_path) == str(tmp_path)  # directories and hub ids pass through
+    assert resolve_model_path("Kwai-Keye/Keye-VL-1_5-8B") == "Kwai-Keye/Keye-VL-1_5-8B"

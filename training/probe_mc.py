@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.train.sft import resolve_model_path
+    from keye.tiny import resolve_model_path
 
     torch.manual_seed(args.seed)
     out = Path(args.out)

@@ -18,11 +18,9 @@ def resolve_model(name: str | None) -> str:
 
     Raises :class:`KeyeConfigError` when keye-tiny is asked for but not installed.
     """
-    if name in (None, "", TINY):
-        from keye.tiny import tiny_dir
+    from keye.tiny import resolve_model_path
 
-        return str(tiny_dir())
-    return str(name)
+    return resolve_model_path(name or TINY)
 
 
 def default_device() -> str:

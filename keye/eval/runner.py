@@ -387,10 +387,9 @@ def load_engine(
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
         raise KeyeInputError(f"unknown dtype {dtype!r}; expected bfloat16, float16 or float32")
-    if model_id == "keye-tiny":
-        from keye.tiny import tiny_dir
+    from keye.tiny import resolve_model_path
 
-        model_id = str(tiny_dir())
+    model_id = resolve_model_path(model_id)
     try:
         model = keye.KeyeVL.from_pretrained(model_id, torch_dtype=dtype or "auto", device=device)
         processor = keye.KeyeProcessor.from_pretrained(model_id)

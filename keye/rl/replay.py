@@ -432,11 +432,9 @@ def collect_to_file(
     from keye.rl.data import load_rl_prompts
     from keye.rl.rollout import LocalRollout, VLLMRollout
     from keye.rl.scoring import RewardScorer
+    from keye.tiny import resolve_model_path
 
-    if str(policy) == "keye-tiny":
-        from keye.tiny import tiny_dir
-
-        policy = tiny_dir()
+    policy = resolve_model_path(policy)
     prompts = load_rl_prompts(data)
     processor = KeyeProcessor.from_pretrained(policy)
     if engine == "local":

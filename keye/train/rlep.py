@@ -69,6 +69,7 @@ from keye.rl import (
     set_scores,
     token_logprobs,
 )
+from keye.tiny import resolve_model_path
 from keye.train import dist as kdist
 from keye.train.config import dump_config, load_config, to_dict
 from keye.train.sft import (
@@ -80,7 +81,6 @@ from keye.train.sft import (
     lr_lambda,
     param_groups,
     prune_checkpoints,
-    resolve_model_path,
     save_checkpoint,
 )
 
@@ -580,14 +580,11 @@ def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], sco
 
     correct = sampled = 0
     try:
-        with torch.no_grad():
-            for i in range(0, len(prompts), batch_size):
-                chunk = list(prompts[i : i + batch_size])
-                correct += answer(chunk, sample=False)
-                if samples > 0:  # each prompt repeated k times, k-answer groups decoded together
-                    reps = [p for p in chunk for _ in range(samples)]
-                    for j in range(0, len(reps), batch_size * samples):
-                        sampled += answer(reps[j : j + batch_size * samples], sample=True)
+        for i in range(0, len(prompts), batch_size):
+            chunk = list(prompts[i : i + batch_size])
+            correct += answer(chunk, sample=False)
+            if samples > 0:  # each prompt repeated k times: the chunk's k * len(chunk) answers in one batch
+                sampled += answer([p for p in chunk for _ in range(samples)], sample=True)
     finally:
         model.train(was_training)
     n = max(len(prompts), 1)

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from keye.errors import KeyeConfigError, KeyeInputError
+from keye.tiny import resolve_model_path
 from keye.train import dist as kdist
 from keye.train.config import dump_config, load_config, to_dict
 
@@ -154,15 +155,6 @@ class SFTConfig:
 
 
 # ------------------------------------------------------------------------------------ model setup
-def resolve_model_path(path: str) -> str:
-    """``keye-tiny`` -> the embedded default's directory; anything else unchanged."""
-    if path == "keye-tiny":
-        from keye.tiny import tiny_dir
-
-        return str(tiny_dir())
-    return path
-
-
 TOWERS = {"vision": ("visual.",), "projector": ("mlp_AR.",), "llm": ("model.", "lm_head.")}
 STAGE_FREEZE = {"align": ["vision", "llm"], "full": [], "llm_only": ["vision"]}
 
