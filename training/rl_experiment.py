@@ -146,7 +146,8 @@ def final_comparison(policy: str, runs: dict[str, Path], test: Path, samples: in
 
     torch.set_flush_denormal(True)
     prompts = load_rl_prompts(test)
-    kinds = {json.loads(r)["id"]: json.loads(r).get("answer_kind", "?") for r in test.read_text().splitlines() if r}
+    rows = [json.loads(r) for r in test.read_text().splitlines() if r.strip()]
+    kinds = {r["id"]: r.get("answer_kind", "?") for r in rows}
     scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"]}))
     tables = {}
     for name, path in {"start": policy, **{k: str(v / "final") for k, v in runs.items()}}.items():
