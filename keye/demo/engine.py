@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeConfigError, KeyeError
-
-TINY = "keye-tiny"
+from keye.tiny import TINY_NAME as TINY
+from keye.tiny import resolve_model_path
 
 
 def resolve_model(name: str | None) -> str:
@@ -18,8 +18,6 @@ def resolve_model(name: str | None) -> str:
 
     Raises :class:`KeyeConfigError` when keye-tiny is asked for but not installed.
     """
-    from keye.tiny import resolve_model_path
-
     return resolve_model_path(name or TINY)
 
 
