@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to the read-only shared facts (spec, golden files)."""
+"""Shared test fixtures: the golden reference files (kept in ``tests/fixtures``) and CPU thread settings."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
-GOLDEN = SHARED / "golden"
-GOLDEN_PREVIEW = GOLDEN / "keye_preview_tiny"
+from tests.paths import GOLDEN_PREVIEW
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).parents[2]
-GOLDEN_EVAL = REPO_ROOT.parent / "shared" / "golden" / "eval"
+from tests.paths import GOLDEN_EVAL
 
 
 @pytest.fixture(scope="session")

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from keye.cli import main
 from keye.testing.processor import make_test_video, make_tiny_processor_dir
-
-# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
+from tests.paths import GOLDEN_PREVIEW as GOLDEN
 
 
 def test_process_prints_counts_and_video_meta(tmp_path, capsys):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -11,11 +9,9 @@ from safetensors.torch import load_file
 
 from keye.processing.processor import KeyeProcessor
 from keye.testing.processor import make_test_video, make_tiny_processor_dir
+from tests.paths import GOLDEN_PREVIEW as GOLDEN
 
 pytestmark = pytest.mark.slow
-
-# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
 
 
 @pytest.fixture(scope="module")

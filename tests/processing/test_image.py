@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +24,7 @@ from keye.processing.image import (
     smart_resize_preview_processor,
 )
 from keye.processing.resample import resize_uint8
-
-# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
+from tests.paths import GOLDEN_PREVIEW as GOLDEN
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,9 +20,8 @@ from keye.processing.chat import (
 )
 from keye.processing.processor import KeyeBatch, KeyeProcessor
 from keye.testing.processor import make_tiny_processor_dir
+from tests.paths import GOLDEN_PREVIEW as GOLDEN
 
-# The fixtures live next to the checkout: <repo>/../shared/golden (as for the model and eval tests).
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "keye_preview_tiny"
 IMG = GOLDEN / "images"
 
 
