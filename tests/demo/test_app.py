@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from keye.demo.engine import ModelHost
 from keye.demo.session import ChatSession, VideoSettings, split_partial
+from tests.system import need_system
 
 QUESTION = "Which way does the square move?"
 
@@ -113,8 +115,9 @@ def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server, clip, co
 def test_screenshot_after_an_answer(server, tmp_path):
     from PIL import Image
 
-    from keye.demo.screenshot import screenshot
+    from keye.demo.screenshot import BROWSERS, screenshot
 
+    need_system("chromium", any(shutil.which(b) for b in BROWSERS), "the demo screenshot test")
     url, _ = server
     png = screenshot(url + "?example=0&ask=1", tmp_path / "demo.png", wait_for="Generated:", timeout=180)
     img = Image.open(png).convert("RGB")

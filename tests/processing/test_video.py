@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,17 +19,14 @@ from keye.processing.video import (
     sample_frames,
 )
 from keye.testing.processor import make_test_video, read_frame_index
+from tests.system import need_system
 
 BACKENDS = ["pyav", "decord", "torchcodec"]
 
 
 def _need(backend: str) -> None:
-    if backend not in V.available_backends():
-        if os.environ.get("KEYE_REQUIRE_ALL_VIDEO_BACKENDS"):
-            pytest.fail(f"video backend {backend} is required in CI but not usable (install FFmpeg libraries)")
-        pytest.skip(
-            f"optional video backend {backend} is not usable here (torchcodec needs system FFmpeg libraries)"
-        )
+    # decord2 ships its own FFmpeg; torchcodec loads the system's FFmpeg shared libraries.
+    need_system("ffmpeg", backend in V.available_backends(), f"video backend {backend}")
 
 
 @pytest.fixture(scope="module")
