@@ -11,6 +11,9 @@ Design decisions (documented in the spec as open):
 - entries store the response token ids when known (the rollout's own ids, first EOS included) and text;
   text-only entries are re-tokenised without special tokens and get the EOS appended, then truncated to
   ``max_response_len`` (the RLEP reference);
+- a truncated entry is scored on what is trained: its text becomes the decoded truncated ids (as verl's
+  reward manager decodes the response ids it trains on), so a success cut before its answer is scored as
+  the failure the trained tokens are, never rewarded for text it does not train on;
 - replayed samples get their old log-probs recomputed by the current policy (the trainer does this for all
   samples), so their first importance ratio is 1 as in the reference;
 - ``sample`` may restrict to entries recorded in the same thinking mode (``mode=``), so a ``/no_think``
@@ -329,6 +332,7 @@ def replay_samples(
     max_response_len: int,
     rng: random.Random | None = None,
     match_mode: bool = True,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[RolloutSample]:
     """Exactly ``m`` replay rows for one question's group.
 
@@ -338,10 +342,16 @@ def replay_samples(
         encode: text -> token ids *without* special tokens (for text-only entries).
         eos_id: appended to re-tokenised text. max_response_len: truncation length (tokens).
         rng: RNG for the draw (default: the pool's). match_mode: draw only entries of ``prompt.mode``.
-        The row's ``text`` is the stored text (what the reward scores), even when its ids were truncated.
+        decode: token ids -> text as the rollouts decode it (special tokens skipped); needed only when an
+            entry is longer than ``max_response_len``.
+        The row's ``text`` (what the reward scores) is the stored text when the entry fits, and
+        ``decode(truncated ids)`` when it was truncated (``metadata["truncated"] = True``): the reward
+        always judges exactly the tokens that are trained.
     Returns:
         ``m`` samples with ``source="replay"``; slots beyond the pool's supply are ``valid=False`` rows with
         no tokens (they enter no advantage statistic and no loss).
+    Raises:
+        KeyeConfigError: ``max_response_len < 1``, or an entry needs truncation and no ``decode`` is given.
     """
     if max_response_len < 1:
         raise KeyeConfigError(f"max_response_len must be >= 1, got {max_response_len}")
@@ -349,11 +359,18 @@ def replay_samples(
     out = []
     for e in picks:
         ids = list(e.token_ids) if e.token_ids else list(encode(e.response)) + [int(eos_id)]
-        ids = ids[:max_response_len]
+        text, meta = e.response, {"replay_reward": e.reward, **e.metadata}
+        if len(ids) > max_response_len:
+            if decode is None:
+                raise KeyeConfigError(
+                    f"replay entry of question {prompt.id!r} has {len(ids)} tokens, more than max_response_len "
+                    f"({max_response_len}); pass decode= so the truncated response is scored on its own text")
+            ids = ids[:max_response_len]
+            text = decode(ids)
+            meta["truncated"] = True
         out.append(RolloutSample(
             prompt=prompt, group=group, inputs=inputs, response_ids=torch.tensor(ids, dtype=torch.long),
-            text=e.response, finished=bool(ids) and ids[-1] == int(eos_id), source="replay",
-            metadata={"replay_reward": e.reward, **e.metadata},
+            text=text, finished=bool(ids) and ids[-1] == int(eos_id), source="replay", metadata=meta,
         ))
     for _ in range(m - len(out)):
         out.append(RolloutSample(
@@ -373,10 +390,12 @@ def add_replay(
     max_response_len: int,
     rng: random.Random | None = None,
     match_mode: bool = True,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[RolloutSample]:
     """RLEP phase B for a whole rollout batch: after each group's fresh samples, append its ``m`` replay rows
-    (:func:`replay_samples`, sharing the group's prompt and processor outputs). Group order is the order
-    of first appearance in ``fresh``; ``m = 0`` returns the fresh samples regrouped."""
+    (:func:`replay_samples`, sharing the group's prompt and processor outputs; ``decode`` scores truncated
+    entries on their truncated ids). Group order is the order of first appearance in ``fresh``; ``m = 0``
+    returns the fresh samples regrouped."""
     order: list[int] = []
     by_group: dict[int, list[RolloutSample]] = {}
     for s in fresh:
@@ -391,7 +410,8 @@ def add_replay(
         if m > 0:
             first = members[0]
             out.extend(replay_samples(pool, first.prompt, g, first.inputs, m, encode=encode, eos_id=eos_id,
-                                      max_response_len=max_response_len, rng=rng, match_mode=match_mode))
+                                      max_response_len=max_response_len, rng=rng, match_mode=match_mode,
+                                      decode=decode))
     return out
 
 

@@ -657,6 +657,9 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     def encode(text: str) -> list[int]:
         return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def decode(ids: list[int]) -> str:  # as the rollouts decode their responses
+        return processor.decode(ids, skip_special_tokens=True)
+
     replay_on = cfg.replay.enabled and cfg.replay.M > 0
     m_replay = cfg.replay.M if replay_on else 0
     if replay_on and cfg.replay.pool:
@@ -757,7 +760,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             t = time.time()
             fresh = engine.generate(ps, r.G)
             samples = add_replay(fresh, pool, m_replay, encode=encode, eos_id=eos_id, max_response_len=r.max_new_tokens,
-                                 rng=replay_rng, match_mode=cfg.replay.match_mode) if m_replay else fresh
+                                 rng=replay_rng, match_mode=cfg.replay.match_mode, decode=decode) if m_replay else fresh
             timing["rollout"] += time.time() - t
             t = time.time()
             scores = scorer(samples)

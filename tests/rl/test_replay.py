@@ -72,8 +72,8 @@ def test_text_entries_are_retokenised_with_eos_and_truncated():
                           max_response_len=10)[0]
     assert full.response_ids.tolist() == [97, 98, 99, 100, 101, 102, EOS] and full.finished
     cut = replay_samples(pool, prompt, 0, PromptInputs(torch.tensor([1])), 1, encode=enc, eos_id=EOS,
-                         max_response_len=4)[0]
-    assert cut.response_ids.tolist() == [97, 98, 99, 100] and not cut.finished
+                         max_response_len=4, decode=lambda ids: "".join(map(chr, ids)))[0]
+    assert cut.response_ids.tolist() == [97, 98, 99, 100] and not cut.finished and cut.text == "abcd"
 
 
 def test_determinism_and_state_round_trip():
@@ -194,3 +194,30 @@ def test_collect_to_file_accepts_the_embedded_default(tmp_path):
     stats = collect_to_file("keye-tiny", data, tmp_path / "pool.jsonl", n=2, max_new_tokens=2,
                             scorer=lambda s: Scores([1.0] * len(s), [True] * len(s)))
     assert stats.questions == 1 and stats.candidates == 2 and (tmp_path / "pool.jsonl").is_file()
+
+
+def test_truncated_replay_rows_are_scored_on_the_trained_tokens():
+    """A stored success longer than the response limit trains on its first ``max_response_len`` ids, so the
+    reward must judge exactly those ids (decoded), not the stored full text: a numeric answer cut in half
+    is not a verified success any more, while an entry within the limit keeps its stored text."""
+    from keye.rewards import RewardSpec
+    from keye.rl.scoring import RewardScorer
+
+    enc = lambda s: [ord(c) for c in s]  # noqa: E731 - a stand-in tokenizer (one id per character)
+    dec = lambda ids: "".join(chr(i) for i in ids if i != EOS)  # noqa: E731 - its inverse (EOS is special)
+    prompt = RLPrompt("q", [], reference="123456", task="numeric")
+    inputs = PromptInputs(torch.tensor([1]))
+    scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"]}))
+    for entry in (ReplayEntry("q", "123456", None), ReplayEntry("q", "123456", enc("123456") + [EOS])):
+        pool = ReplayPool()
+        pool.add(entry)
+        fits = replay_samples(pool, prompt, 0, inputs, 1, encode=enc, decode=dec, eos_id=EOS, max_response_len=16)[0]
+        assert fits.text == "123456" and fits.finished and fits.metadata.get("truncated") is None
+        cut = replay_samples(pool, prompt, 0, inputs, 1, encode=enc, decode=dec, eos_id=EOS, max_response_len=3)[0]
+        assert cut.response_ids.tolist() == [49, 50, 51] and not cut.finished
+        assert cut.text == dec(cut.response_ids.tolist()) == "123" and cut.metadata["truncated"] is True
+        scores = scorer([fits, cut])
+        assert scores.passed == [True, False] and scores.rewards[0] > scores.rewards[1]
+        # without a decoder a truncated row cannot be scored on its tokens: a clear error, not a silent mismatch
+        with pytest.raises(KeyeConfigError, match="decode"):
+            replay_samples(pool, prompt, 0, inputs, 1, encode=enc, eos_id=EOS, max_response_len=3)
