@@ -117,8 +117,10 @@ class Wrapped:
         return nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` as given: the caller scales it (DeepSpeed does not divide it by its
+        gradient accumulation steps; it still averages gradients over ranks, as DDP and FSDP do)."""
         if self.engine is not None:
-            self.engine.backward(loss)
+            self.engine.backward(loss, scale_wrt_gas=False)
         else:
             loss.backward()
 

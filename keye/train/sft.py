@@ -795,11 +795,13 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         # Every answer of a multi-answer row counts its own tokens, whichever layout computes them.
         local_targets = sum(target_tokens(mb) for mb in mbs)
         global_targets = kdist.all_reduce_sum(local_targets, info.device)
-        # DDP/FSDP average gradients over ranks and DeepSpeed also over accumulation steps; undo both
-        # so the result is sum(token losses) / global target tokens.
-        scale = info.world_size * (cfg.data.micro_batches if use_ds else 1) / max(global_targets, 1.0)
+        # DDP, FSDP and ZeRO average gradients over ranks; undo that so the result is
+        # sum(token losses) / global target tokens (Wrapped.backward keeps DeepSpeed from also dividing by
+        # its accumulation steps).
+        scale = info.world_size / max(global_targets, 1.0)
         loss_sum = 0.0
         local_tokens = 0
+        ds_steps_before = wrapped.engine.global_steps if use_ds else 0
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with wrapped.no_sync(last):
@@ -812,9 +814,17 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                     mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
                     local_tokens += int(batch["num_tokens"])
                 wrapped.backward(mb_loss * scale)
+                if use_ds:
+                    # DeepSpeed counts micro-batches itself (gradient_accumulation_steps = micro_batches): its
+                    # step() must run after every backward, and applies the update (reduction, clipping,
+                    # optimizer) only at its own accumulation boundary, the last micro-batch.
+                    wrapped.engine.step()
             loss_sum += float(mb_loss.detach())
         if use_ds:
-            wrapped.engine.step()
+            if wrapped.engine.global_steps != ds_steps_before + 1:
+                raise RuntimeError(f"DeepSpeed took {wrapped.engine.global_steps - ds_steps_before} optimizer steps "
+                                   f"in training step {state['step'] + 1}, expected 1: its accumulation boundary is "
+                                   f"out of step with data.micro_batches={cfg.data.micro_batches}")
             grad_norm = float(wrapped.engine.get_global_grad_norm() or 0.0)
         else:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(

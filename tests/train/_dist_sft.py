@@ -1,5 +1,8 @@
-"""Run one SFT job (used by test_sft.py under torchrun); args: OUT_DIR STRATEGY [key=value ...].
-The run's summary.json (losses, world size) is what the test compares."""
+"""Run SFT jobs (used by test_sft.py / test_sft_scale.py under torchrun).
+
+Args: ``OUT_DIR STRATEGY [key=value ...] [-- OUT_DIR STRATEGY [key=value ...] ...]``: each ``--``-separated
+job runs in turn in the same process group, so one torchrun launch (and one DeepSpeed import) serves
+several runs. Each run's summary.json and final/ export are what the tests compare."""
 
 import sys
 
@@ -7,10 +10,22 @@ from keye.train import dist as kdist
 from keye.train.config import load_config
 from keye.train.sft import SFTConfig, train
 
+
+def _jobs(argv: list[str]) -> list[list[str]]:
+    jobs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    return [j for j in jobs if j]
+
+
 if __name__ == "__main__":
-    out_dir, strategy, *overrides = sys.argv[1:]
-    cfg = load_config(SFTConfig, None, [f"checkpoint.out_dir={out_dir}", f"train.strategy={strategy}", *overrides])
     try:
-        train(cfg)
+        for out_dir, strategy, *overrides in _jobs(sys.argv[1:]):
+            cfg = load_config(SFTConfig, None, [f"checkpoint.out_dir={out_dir}", f"train.strategy={strategy}",
+                                                *overrides])
+            train(cfg)
     finally:
         kdist.cleanup()
