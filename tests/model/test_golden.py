@@ -46,9 +46,9 @@ def _kwargs(case, golden):
 
 
 def _model_cases():
-    import pathlib
+    from tests.paths import GOLDEN_PREVIEW
 
-    path = pathlib.Path(__file__).resolve().parents[2].parent / "shared/golden/keye_preview_tiny/cases.json"
+    path = GOLDEN_PREVIEW / "cases.json"
     return [c["name"] for c in json.loads(path.read_text())["model_cases"]]
 
 
