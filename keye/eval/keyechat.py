@@ -1,7 +1,7 @@
 """Keye's own response post-processing and thinking-mode switches, as its evaluation wrapper applies them.
 
 The official Keye evaluation (``KeyeChat`` in the vendored VLMEvalKit) turns a raw generation into the
-``prediction`` that the benchmark parsers see. The rules, from ``spec/evaluation.md`` section 3:
+``prediction`` that the benchmark parsers see. The rules, from ``docs/evaluation.md`` section 3:
 
 1. If ``</analysis>`` occurs (auto mode's mode-selection preamble), keep the text after its last occurrence.
 2. If ``</think>`` occurs, keep the text after its last occurrence, drop leading newlines and trim.

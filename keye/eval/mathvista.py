@@ -1,7 +1,7 @@
 """MathVista: data loading, the query, answer extraction and the official normalisation and scoring.
 
 Scoring follows the official ``lupantech/MathVista`` evaluation (@ 53d5258) as described in
-``spec/evaluation.md`` section 2; :func:`calculate_score` reproduces the stored ``output_bard.json`` run
+``docs/evaluation.md`` section 2; :func:`calculate_score` reproduces the stored ``output_bard.json`` run
 (348/1000) and every breakdown of its ``scores_bard.json``.
 
 Extraction (:func:`extract_answer`) applies the official fast paths (empty response, exact choice text,
@@ -439,7 +439,7 @@ def normalize_extracted_answer(
     *,
     ignore_empty_extractions: bool = False,
 ) -> str | None:
-    """Official normalisation of an extraction to the problem's answer type (``spec/evaluation.md`` 2.4).
+    """Official normalisation of an extraction to the problem's answer type (``docs/evaluation.md`` 2.4).
 
     - multi_choice: trim (non-strings are stringified); the first ``(x)`` letter, upper-cased, replaces the
       text; a letter ``A``.. naming a choice maps to that choice; anything else maps to the nearest choice by

@@ -1,7 +1,7 @@
 """MMMU: data loading, prompts, and the official parsing, scoring and aggregation rules.
 
 Everything that decides a score follows the official MMMU evaluation (``MMMU-Benchmark/MMMU`` @ bb0b95a) as
-described in ``spec/evaluation.md`` section 1; the golden fixtures in ``shared/golden/eval`` are reproduced to
+described in ``docs/evaluation.md`` section 1; the golden fixtures in ``tests/fixtures/golden/eval`` are reproduced to
 the last printed digit by :func:`score_eval_only`.
 
 Main pieces:
@@ -355,7 +355,7 @@ def parse_multi_choice_response(
 ) -> str:
     """Return the option letter the official MMMU parser reads from ``response``.
 
-    Rules (``spec/evaluation.md`` 1.3): trim runs of ``, . ! ? ; : '`` from both ends in that order (no
+    Rules (``docs/evaluation.md`` 1.3): trim runs of ``, . ! ? ; : '`` from both ends in that order (no
     whitespace trim), pad with one space; candidates are the letters whose ``(X)`` occurs, else whose ``" X "``
     occurs, else (only when the padded response has more than 5 whitespace tokens) whose lower-cased option
     text occurs in the lower-cased response. One candidate wins; several: the one whose last occurrence is

@@ -9,7 +9,7 @@ Input is a JSONL file, one question per line::
      "duration": "short", "domain": "Knowledge", "sub_category": "...", "task_type": "Object Recognition",
      "subtitles": "optional subtitle text"}
 
-Prompt and scoring follow the official Video-MME protocol (``spec/evaluation.md`` section 4): the prompt of
+Prompt and scoring follow the official Video-MME protocol (``docs/evaluation.md`` section 4): the prompt of
 the Video-MME README, and the extraction of the scorer it points to: trim, delete each answer prefix
 (case-sensitive; the two pairs fused by missing commas in the original list are never removed), return
 ``""`` when more than 10 words remain without any of ``A-D``, otherwise the first ``A``-``D`` character

@@ -1,7 +1,7 @@
 """Rotary position embeddings: the vision tower's 2-D RoPE and the decoder's 3-D mRoPE.
 
 ``get_rope_index`` assigns every token of a multimodal sequence its (t, h, w) position exactly as the
-official ``get_rope_index`` does (see the architecture spec, section 6):
+official ``get_rope_index`` does (see ``docs/architecture.md`` section 6):
 
 - a text token takes (p, p, p), then p += 1;
 - a vision block whose merged grid is (T, H', W') gives token (tau, i, j) the ids

@@ -71,7 +71,7 @@ def count_words(text: str) -> int:
 
 
 def extract_boxed(text: str) -> str:
-    """KeyeChat's boxed extraction (evaluation spec section 3, step 5), in linear time.
+    """KeyeChat's boxed extraction (``docs/evaluation.md`` section 3, step 5), in linear time.
 
     Take the text after the last literal ``\\boxed{`` (the whole text when there is none), then cut just before
     the ``}`` that brings a brace counter starting at 1 to 0; with no such brace keep everything. As in the
@@ -124,7 +124,7 @@ def strip_reasoning(text: str) -> str:
 
 
 def final_answer(text: str) -> str:
-    """The prediction KeyeChat's post-processing makes of a raw response (evaluation spec section 3).
+    """The prediction KeyeChat's post-processing makes of a raw response (``docs/evaluation.md`` section 3).
 
     1. keep the text after the last ``</analysis>``; 2. then after the last ``</think>`` (leading newlines
     dropped, trimmed); 3. without ``<answer>``: boxed extraction; 4. with ``<answer>``: boxed extraction of the

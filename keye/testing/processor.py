@@ -2,7 +2,7 @@
 
 ``make_tiny_processor_dir`` writes everything ``KeyeProcessor.from_pretrained(dir)`` reads (tokenizer,
 ``preprocessor_config.json``, ``chat_template.json``). For ``variant="preview"`` the token ids match the
-golden tiny model in ``shared/golden/keye_preview_tiny`` (ordinary tokens ``[0, 480)``, Qwen added tokens
+golden tiny model in ``tests/fixtures/golden/keye_preview_tiny`` (ordinary tokens ``[0, 480)``, Qwen added tokens
 from 480, in the official order of architecture.md §11.1).
 
 ``make_test_video`` writes an H.264 file with PyAV whose frame index is written into the pixels as big

@@ -46,7 +46,7 @@ def test_seen_frames_match_processor_output(proc, clip, tmp_path):
     batch = proc(session.messages("What happens?", VideoSettings(fps=2.0, max_frames=32)))
     frames = seen_frames(batch, proc)
     meta = batch.video_meta[0]
-    # 3 s at 2 fps: 6 frames at linspace(0, 29, 6).round() = 0, 6, 12, 17, 23, 29 (spec §10.2).
+    # 3 s at 2 fps: 6 frames at linspace(0, 29, 6).round() = 0, 6, 12, 17, 23, 29 (docs/architecture.md §10.2).
     assert meta.indices == [0, 6, 12, 17, 23, 29]
     video = [f for f in frames if f.source == "video 0"]
     assert [f.index for f in video] == meta.indices

@@ -1,4 +1,4 @@
-"""Re-scoring the stored official prediction files reproduces the numbers of shared/golden/eval/README.md."""
+"""Re-scoring the stored official prediction files reproduces the numbers of tests/fixtures/golden/eval/README.md."""
 
 from __future__ import annotations
 

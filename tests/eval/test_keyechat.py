@@ -1,4 +1,4 @@
-"""Keye's response post-processing and thinking-mode switches (spec/evaluation.md section 3)."""
+"""Keye's response post-processing and thinking-mode switches (docs/evaluation.md section 3)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from keye.errors import KeyeInputError
 from keye.eval.keyechat import add_mode_suffix, extract_boxed, mode_suffix, post_process
 
-# The spec's table (section 3), plus cases derived from the same rules.
+# The table of docs/evaluation.md section 3, plus cases derived from the same rules.
 POST_PROCESS_CASES = [
     ("<think>long reasoning</think>\n\n<answer>B</answer>", "B"),
     ("<think>x</think>\nThe answer is \\boxed{12}.", "12"),

@@ -1,4 +1,4 @@
-"""MathVista: official normalisation (spec/evaluation.md 2.4 / 2.6), extraction fast paths, the LLM-judge
+"""MathVista: official normalisation (docs/evaluation.md 2.4 / 2.6), extraction fast paths, the LLM-judge
 path over HTTP, the rule-based extractor, the query and local loading."""
 
 from __future__ import annotations

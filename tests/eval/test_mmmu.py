@@ -1,4 +1,4 @@
-"""MMMU: official parsers (tables from spec/evaluation.md 1.3/1.4/1.7 and hand-derived cases), prompts,
+"""MMMU: official parsers (tables from docs/evaluation.md 1.3/1.4/1.7 and hand-derived cases), prompts,
 loading and aggregation."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from keye.eval import synth, videoqa
 from keye.eval.extract import choice_letter, final_number
 
 VIDEO_MME_CASES = [
-    # spec section 4 table
+    # docs/evaluation.md section 4 table
     ("B", "B"),
     ("The answer is C.", "C"),
     ("Based on the video, the answer is C.", "B"),

@@ -1,5 +1,5 @@
-"""Table-driven reward tests: each case states the rule it checks (from ``spec/training.md`` §1.3/§2.5/§2.6/§8,
-``spec/evaluation.md`` §1.3/§2.4/§3, and the rules in the ``keye.rewards`` module docstrings) and the expected
+"""Table-driven reward tests: each case states the rule it checks (from ``docs/training.md`` §1.3/§2.5/§2.6/§8,
+``docs/evaluation.md`` §1.3/§2.4/§3, and the rules in the ``keye.rewards`` module docstrings) and the expected
 value derived by hand from that rule."""
 
 from __future__ import annotations
