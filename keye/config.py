@@ -297,7 +297,7 @@ class KeyeVLConfig:
 def tiny_config(variant: Variant = "preview", **overrides: Any) -> KeyeVLConfig:
     """A named tiny config for tests and examples (a few hundred thousand parameters).
 
-    ``"preview"`` has exactly the sizes and token ids of ``shared/golden/keye_preview_tiny``
+    ``"preview"`` has exactly the sizes and token ids of ``tests/fixtures/golden/keye_preview_tiny``
     (vocab 512, special tokens from 480). ``"1.5"`` is the same with the 1.5 architecture and a
     vocabulary of 520 so that ``<|frame|>``, ``<|fast_start|>`` and ``<|fast_end|>`` (512-514) fit.
     """

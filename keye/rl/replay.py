@@ -6,7 +6,7 @@ Phase B: :func:`replay_samples` draws ``M`` stored successes per question (unifo
 all of them when the pool holds fewer) and turns them into :class:`RolloutSample` rows of the question's
 group. Missing slots are explicit ``valid=False`` rows (no tokens), not empty responses.
 
-Design decisions (documented in the spec as open):
+Design decisions (left open by the sources, see docs/training.md §8.1-8.2):
 
 - entries store the response token ids when known (the rollout's own ids, first EOS included) and text;
   text-only entries are re-tokenised without special tokens and get the EOS appended, then truncated to

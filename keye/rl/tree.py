@@ -35,9 +35,9 @@ through attention. This is Tree Training's "gradient restoration" done by autogr
 
 - token-mean over all tokens, sequence-mean of token-means, or sum-then-mean over branches: the
   per-branch weight (1/Σ_b N_b, 1/(B·N_b), 1/B) is applied in the row layout, so a shared token's
-  effective weight becomes the spec's n_t/ΣN_b, (1/B)Σ_{b∋t} 1/N_b or n_t/B automatically;
+  effective weight becomes docs/training.md §4's n_t/ΣN_b, (1/B)Σ_{b∋t} 1/N_b or n_t/B automatically;
 - GSPO: the sequence ratio exp(mean_t(logp - old)) is formed per row, clipped per row;
-- PPO/GRPO clipping with mixed-sign advantages (spec §4): each row applies its own advantage and
+- PPO/GRPO clipping with mixed-sign advantages (docs/training.md §4): each row applies its own advantage and
   its own min/max/dual clip to the *same* ratio value; only the resulting per-token gradient
   coefficients are summed. Folding branches into one net advantage before clipping would be
   wrong; gathering never does that.

@@ -643,7 +643,7 @@ def tree_loss(module: Any, mb: dict[str, Any], device: torch.device) -> torch.Te
     each distinct tree token's logits equal those of its unshared sequence. Each distinct target token's
     loss is computed once and weighted by the number of branches (answers) whose target it is, so the sum
     (and its gradient) equals the unshared batch's summed token loss; divide by :func:`target_tokens`
-    summed over the global batch for the token mean (spec §4: weight n_t / Σ_b N_b).
+    summed over the global batch for the token mean (docs/training.md §4: weight n_t / Σ_b N_b).
 
     Args:
         module: what to call for the forward (the model, or its DDP / FSDP / DeepSpeed wrapper).
