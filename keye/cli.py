@@ -22,6 +22,7 @@ _AREAS = (
     "keye.train.cli",  # keye train sft / rlep, keye init, keye merge
     "keye.eval.cli",  # keye eval mmmu / mathvista / videoqa / synth / score
     "keye.demo.cli",  # keye demo, keye chat
+    "keye.serve.cli",  # keye serve
 )
 
 
