@@ -353,9 +353,14 @@ class VLLMRollout:
     Args:
         llm: a constructed ``vllm.LLM`` or a model path/hub id (then ``LLM(model=..., **llm_kwargs)``).
         processor: a :class:`keye.KeyeProcessor` of the same checkpoint.
-        max_new_tokens, temperature, top_p, top_k, seed: sampling settings (``SamplingParams``).
+        max_new_tokens, temperature, top_p, top_k, seed: sampling settings (``SamplingParams``); call ``i``
+            of :meth:`generate` samples with seed ``seed + i`` (the call count is in :meth:`state_dict`).
     Raises:
         KeyeConfigError: when ``vllm`` cannot be imported.
+
+    The engine holds its own copy of the weights: ``weight_version`` is the version of the policy it serves
+    (0: the checkpoint it was built from; then the ``version`` of the last :meth:`sync_weights`, the
+    trainer's step). A trainer must sync after every update and, after a resume, before the first rollout.
     """
 
     def __init__(self, llm: Any, processor: Any, *, max_new_tokens: int = 256, temperature: float = 1.0,
@@ -376,6 +381,17 @@ class VLLMRollout:
         self.top_k = top_k
         self.seed = seed
         self._calls = 0
+        self.weight_version = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling-seed counter (for exact resume). The weights are not part of it: they are the
+        trainer's model, pushed again with :meth:`sync_weights` after a resume."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`: later calls continue the saved seed sequence. ``weight_version`` is
+        left alone (this engine still holds what it was built from or last synced)."""
+        self._calls = int(state["calls"])
 
     def prepare(self, prompts: Sequence[RLPrompt]) -> list[PromptInputs]:
         """Our processor's outputs for the prompts (what the training forward will see)."""
@@ -437,11 +453,12 @@ class VLLMRollout:
                 ))
         return samples
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Load trainer weights into the vLLM model by (official) parameter name; returns the count.
 
         Uses ``LLM.apply_model`` (vLLM >= 0.7) to call the model's ``load_weights`` in every worker, falling
-        back to the single-process driver worker of older versions.
+        back to the single-process driver worker of older versions. ``weight_version`` becomes ``version``
+        (default: the previous version + 1).
         """
         items = [(k, v.detach()) for k, v in state_dict.items()]
 
@@ -454,6 +471,7 @@ class VLLMRollout:
             _load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
         return len(items)
 
 

@@ -705,6 +705,10 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         state = load_checkpoint(ckpts[-1], wrapped, optimizer, scheduler, run_state, info, False)
         if info.is_main:
             log.info("resumed from %s at step %d", ckpts[-1], state["step"])
+    if isinstance(engine, VLLMRollout) and engine.weight_version != state["step"]:
+        # the engine was built from the start checkpoint: after a resume it must serve the resumed policy
+        # before the first rollout (it is synced after every update from then on)
+        engine.sync_weights(model.state_dict(), version=state["step"])
 
     metrics = MetricsWriter(out_dir, info.is_main, cfg.log.tensorboard)
     bar = None
@@ -839,7 +843,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                 update_stats.append(st)
         scheduler.step()
         if isinstance(engine, VLLMRollout):
-            engine.sync_weights(model.state_dict())  # the next rollouts sample from the updated policy
+            engine.sync_weights(model.state_dict(), version=step)  # the next rollouts sample the updated policy
         timing["update"] = time.time() - t
 
         row = _step_metrics(samples, update_stats, info.device)
