@@ -7,15 +7,21 @@ Formulas (training.md §1.3 step 9, §2.5, §7.4, §8.4-8.7), per response token
   ``s_i`` and the gradient is ``s_i * grad logp`` (GSPO paper's token form; ``sg`` = stop-gradient);
 - ``L1 = -A * rho``, ``L2 = -A * clip(rho, 1 - eps_low, 1 + eps_high)``, ``L = max(L1, L2)``;
 - dual clip (``c = dual_clip``) for ``A < 0``: ``L = min(L, -A * c)``;
-- KL to a reference: ``k1 = logp - ref``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (log-ratio clamped to
-  +-20, value clamped to +-10, as verl's ``low_var_kl``), added as ``kl_coef * agg(kl)``.
+- KL to a reference: ``k1 = logp - ref``, ``k2 = (logp - ref)^2 / 2``, ``k3 = exp(ref - logp) - (ref - logp) - 1``
+  (log-ratio clamped to +-20, value clamped to +-10, as verl's ``low_var_kl``; ``"low_var_kl"`` is the same
+  estimator), added as ``kl_coef * agg(kl)``. As a *loss* only k2 and k3 are allowed (verl's rule): on
+  samples of pi the expected gradient of k1 is ``E[grad logp] = 0``, so a k1 loss term never pulls towards
+  the reference (it is an unbiased KL *value*, fit for logging or a reward penalty). k2's expected gradient is
+  ``grad KL(pi || ref)``; k3's is ``grad KL(ref || pi)`` (both zero exactly at ``pi = ref``).
 
 Aggregation (``loss_agg``) over the mask:
 
 - ``"token-mean"``: ``sum(L) / n_tokens`` (RLEP/DAPO);
 - ``"seq-mean-token-mean"``: mean over sequences of each sequence's token mean (original GRPO, GSPO);
 - ``"seq-mean-token-sum"``: mean over sequences of each sequence's token sum;
-- ``"seq-mean-token-sum-norm"``: ``sum(L) / (loss_scale_factor * n_seqs)`` (Dr.GRPO; factor default = T).
+- ``"seq-mean-token-sum-norm"``: ``sum(L) / (loss_scale_factor * n_seqs)`` (Dr.GRPO). The factor must be a
+  constant of the run (Dr.GRPO and verl use the maximum response length): the padded width of a
+  micro-batch would make the gradient scale depend on how the batch was cut, so there is no default.
 
 ``global_token_count`` / ``global_seq_count`` replace the local ``n_tokens`` / ``n_seqs`` by the count over
 the whole optimiser step (every micro-batch on every rank), so that summing the micro-batch losses (and
@@ -31,7 +37,8 @@ from keye.errors import KeyeConfigError, KeyeInputError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_LOSS_ESTIMATORS = ("k2", "k3", "low_var_kl")  # the ones whose gradient is a KL gradient (module doc)
 
 
 def aggregate(
@@ -50,7 +57,8 @@ def aggregate(
         global_token_count: denominator of ``token-mean`` (default: this batch's masked token count).
         global_seq_count: number of sequences in the seq-mean modes (default: this batch's sequences
             that have at least one masked token).
-        loss_scale_factor: Dr.GRPO constant (default ``T``).
+        loss_scale_factor: Dr.GRPO constant, required by ``seq-mean-token-sum-norm`` (e.g. the maximum
+            response length of the run; never the padded width).
     Returns:
         0-d tensor (0 when nothing is masked in).
     """
@@ -73,7 +81,12 @@ def aggregate(
         return seq_sum.sum() / n_seq
     if mode == "seq-mean-token-mean":
         return (seq_sum / tokens_per_seq.clamp(min=1)).sum() / n_seq
-    factor = float(values.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    if loss_scale_factor is None:
+        raise KeyeConfigError(
+            "loss_agg 'seq-mean-token-sum-norm' needs loss_scale_factor, a constant of the run such as the maximum "
+            "response length (the padded width would make the loss depend on the micro-batch split)"
+        )
+    factor = float(loss_scale_factor)
     if factor <= 0:
         raise KeyeConfigError(f"loss_scale_factor must be > 0, got {factor}")
     return seq_sum.sum() / (factor * n_seq)
@@ -82,13 +95,16 @@ def aggregate(
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
 
-    ``"k1"``: ``logp - ref_logp`` (unbiased, high variance, can be negative). ``"k3"``:
+    ``"k1"``: ``logp - ref_logp`` (unbiased, high variance, can be negative; zero expected gradient, so not
+    a loss). ``"k2"``: ``(logp - ref_logp)^2 / 2`` (verl ``mse``). ``"k3"`` / ``"low_var_kl"``:
     ``exp(ref - logp) - (ref - logp) - 1`` with the log-ratio clamped to [-20, 20] and the result clamped to
     [-10, 10] (verl ``low_var_kl``; non-negative, low variance).
     """
     if estimator == "k1":
         return logp - ref_logp
-    if estimator == "k3":
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp).square()
+    if estimator in ("k3", "low_var_kl"):
         log_r = (ref_logp - logp).clamp(-20.0, 20.0)
         return (log_r.exp() - log_r - 1).clamp(-10.0, 10.0)
     raise KeyeConfigError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -133,7 +149,8 @@ def policy_loss(
             ``loss_agg="seq-mean-token-mean"`` and much smaller eps, e.g. 3e-4 / 4e-4). The sequence
             log-ratio is clamped to ``<= 10`` as in verl.
         loss_agg, global_token_count, global_seq_count, loss_scale_factor: see :func:`aggregate`.
-        ref_logp / kl_coef / kl_estimator: optional KL-to-reference loss term (:func:`kl_penalty`).
+        ref_logp / kl_coef / kl_estimator: optional KL-to-reference loss term (:func:`kl_penalty`); with
+            ``kl_coef > 0`` the estimator must be one of ``KL_LOSS_ESTIMATORS`` (k1 is only logged).
         entropy: float [B, T] per-token entropy (for stats, and an entropy bonus if ``entropy_coef > 0``).
         max_log_ratio: token log-ratios are clamped to +-this before ``exp`` (numerical safety).
     Returns:
@@ -150,6 +167,11 @@ def policy_loss(
         raise KeyeConfigError(f"clip epsilons must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise KeyeConfigError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if kl_coef and kl_estimator not in KL_LOSS_ESTIMATORS:
+        raise KeyeConfigError(
+            f"kl_estimator {kl_estimator!r} cannot be a loss term (kl_coef={kl_coef}): k1's expected gradient is "
+            f"zero; use one of {KL_LOSS_ESTIMATORS}"
+        )
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise KeyeInputError(
             f"logp, old_logp and mask must all be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "

@@ -3,6 +3,8 @@ and group-preserving mini-batches.
 
 - :func:`dynamic_sample` (DAPO): drop groups whose rewards are all equal (zero advantage, no signal) and
   keep drawing prompts until the batch holds ``target`` informative groups, at most ``max_rounds`` rounds.
+  :func:`group_signal` picks what "equal" is measured on: the accuracy (DAPO: a group that is all wrong
+  or all right is dropped even when a format reward varies) or the total reward.
 - :func:`filter_prompts` (Keye-VL 1.5 §4.4.3, training.md §8.14): keep prompts whose sampling accuracy
   under the current model is strictly inside ``(low, high)`` = (0, 1) by default.
 - :class:`ModeMix` (Keye mix-mode RL, training.md §2.3 II.2, §8.9): give each prompt a thinking mode
@@ -32,6 +34,33 @@ def is_informative(rewards: Sequence[float], atol: float = 0.0) -> bool:
     """True when the rewards are not all equal (``max - min > atol``); an empty or single reward is not."""
     vals = [float(r) for r in rewards]
     return len(vals) > 1 and max(vals) - min(vals) > atol
+
+
+DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward")
+
+
+def group_signal(group: Sequence[Any], metric: str = "accuracy") -> list[float]:
+    """The values dynamic sampling compares within a group, one per valid member (missing replay rows skipped).
+
+    ``"accuracy"`` (DAPO): 1.0 / 0.0 from each sample's ``passed`` (the verified success of
+    :class:`keye.rl.scoring.RewardScorer`: the accuracy part reached ``pass_value``). ``"reward"``: the total
+    ``reward`` (format, length and other parts included).
+
+    Raises:
+        KeyeConfigError: unknown ``metric``. KeyeInputError: a valid member that was not scored.
+    """
+    if metric not in DYNAMIC_SAMPLING_METRICS:
+        raise KeyeConfigError(f"dynamic sampling metric must be one of {DYNAMIC_SAMPLING_METRICS}, got {metric!r}")
+    field_name = "passed" if metric == "accuracy" else "reward"
+    out = []
+    for i, s in enumerate(group):
+        if not getattr(s, "valid", True):
+            continue
+        value = getattr(s, field_name)
+        if value is None:
+            raise KeyeInputError(f"group member has no {field_name!r}; score the samples first", item=i)
+        out.append(float(value))
+    return out
 
 
 @dataclass
@@ -72,7 +101,8 @@ def dynamic_sample(
     Args:
         draw: ``draw(k)`` returns up to ``k`` new prompts (fewer or none when the source is exhausted).
         produce: rolls out and scores prompts, returning one group per prompt (fresh + replay members).
-        target: informative groups wanted. rewards_of: a group's (valid) member rewards.
+        target: informative groups wanted. rewards_of: the values compared within a group (e.g.
+            ``lambda g: group_signal(g, "accuracy")``).
         max_rounds: at most this many ``produce`` calls. oversample: round ``k > 1`` draws
             ``ceil(missing * oversample)`` prompts (round 1 draws ``ceil(target * oversample)``).
         atol: rewards closer than this count as equal. strict: raise instead of returning a short batch.

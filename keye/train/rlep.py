@@ -13,7 +13,8 @@ optimizer, logging, evaluation and checkpoints):
    permutation), give them thinking modes (``algorithm.mode_mix``), sample ``rollout.G`` responses each;
 2. RLEP phase B: append ``replay.M`` replayed successes per group (missing ones as masked rows), score
    fresh and replayed responses with the same reward; with ``algorithm.dynamic_sampling`` groups whose
-   rewards are all equal are dropped and refilled (at most ``max_rounds`` rounds);
+   accuracy (or total reward: ``dynamic_sampling_metric``) is all equal are dropped and refilled (at most
+   ``max_rounds`` rounds);
 3. group-normalised advantages over the enlarged groups (+ optional difficulty reshaping by the fresh
    pass rate), online pool growth with new verified successes (gathered from every rank);
 4. old (and reference) log-probs with the current policy - replayed responses included - through the
@@ -69,6 +70,8 @@ from keye.rl import (
     set_scores,
     token_logprobs,
 )
+from keye.rl.losses import KL_LOSS_ESTIMATORS
+from keye.rl.sampling import group_signal
 from keye.tiny import resolve_model_path
 from keye.train import dist as kdist
 from keye.train.config import dump_config, load_config, to_dict
@@ -136,8 +139,10 @@ class AlgorithmSection:
     dual_clip: float | None = 10.0
     ratio_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_scale_factor: float | None = None  # Dr.GRPO constant of seq-mean-token-sum-norm; None: rollout.max_new_tokens
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    # KL loss estimator: k2 or k3 (= low_var_kl); k1 has zero expected gradient, so it is rejected with kl_coef > 0
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     reference: bool = False  # keep a frozen reference model (needed for kl_coef > 0; KL is logged when kl_coef > 0)
     reference_path: str | None = None  # default: model.path
     entropy_coef: float = 0.0
@@ -145,6 +150,7 @@ class AlgorithmSection:
     mini_batches: int = 1  # optimizer updates per epoch over the rollout batch (whole groups each)
     micro_batch_size: int = 8  # sequences per forward (padded path)
     dynamic_sampling: bool = False
+    dynamic_sampling_metric: Literal["accuracy", "reward"] = "accuracy"  # DAPO: drop groups with equal accuracy
     max_rounds: int = 4
     oversample: float = 1.0
     difficulty: Any = None  # None, a preset name (flat, mixed_up, solved_down) or [[pass_rate, scale], ...]
@@ -251,6 +257,11 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
                               f"the world size ({world_size})")
     if a.kl_coef and not a.reference:
         raise KeyeConfigError("algorithm.kl_coef > 0 needs algorithm.reference: true")
+    if a.kl_coef and a.kl_estimator not in KL_LOSS_ESTIMATORS:
+        raise KeyeConfigError(f"algorithm.kl_estimator: {a.kl_estimator!r} cannot be a loss term (algorithm.kl_coef > 0): "
+                              f"its expected gradient is zero; use one of {list(KL_LOSS_ESTIMATORS)}")
+    if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
+        raise KeyeConfigError(f"algorithm.loss_scale_factor must be > 0 (or null), got {a.loss_scale_factor}")
     for key in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_rounds"):
         if getattr(a, key) < 1:
             raise KeyeConfigError(f"algorithm.{key} must be >= 1, got {getattr(a, key)}")
@@ -261,6 +272,16 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
     ModeMix.from_config(a.mode_mix)
     if cfg.train.steps < 1:
         raise KeyeConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
+
+
+def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
+    """Keyword arguments of :func:`keye.rl.losses.policy_loss` from ``cfg.algorithm``; the Dr.GRPO factor
+    defaults to ``rollout.max_new_tokens`` (the longest response, replayed ones are cut to it too)."""
+    a = cfg.algorithm
+    factor = a.loss_scale_factor if a.loss_scale_factor is not None else cfg.rollout.max_new_tokens
+    return dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
+                loss_agg=a.loss_agg, loss_scale_factor=float(factor), kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
 
 
 def tree_enabled(cfg: RLEPConfig) -> bool:
@@ -719,9 +740,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     use_tree = tree_enabled(cfg)
     a = cfg.algorithm
     mix = ModeMix.from_config(a.mode_mix)
-    loss_kwargs = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
-                       loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                       entropy_coef=a.entropy_coef)
+    loss_kwargs = policy_loss_kwargs(cfg)
     per_rank = cfg.data.prompts_per_step // info.world_size
 
     def evaluate(step: int) -> None:
@@ -779,7 +798,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
         if a.dynamic_sampling:
             res = dynamic_sample(stream.draw, produce, per_rank,
-                                 rewards_of=lambda g: [s.reward for s in g if s.valid],
+                                 rewards_of=lambda g: group_signal(g, a.dynamic_sampling_metric),
                                  max_rounds=a.max_rounds, oversample=a.oversample)
             groups, ds_stats = res.groups, res.stats()
         else:

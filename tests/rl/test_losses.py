@@ -88,15 +88,18 @@ def test_kl_estimators_by_hand():
     torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([1.0]))
     # k3 with log r = ref - logp = -1: e^-1 + 1 - 1
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([math.exp(-1.0)]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "low_var_kl"), torch.tensor([math.exp(-1.0)]))
+    # k2 = (logp - ref)^2 / 2
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([0.5]))
     with pytest.raises(KeyeConfigError):
-        kl_penalty(logp, ref, "k2")
+        kl_penalty(logp, ref, "k4")
     # added to the loss with its coefficient
     lp = torch.tensor([[-1.0]], dtype=torch.float64)
     base, _ = policy_loss(lp, lp.clone(), torch.tensor([0.0], dtype=torch.float64), torch.ones_like(lp))
     with_kl, st = policy_loss(lp, lp.clone(), torch.tensor([0.0], dtype=torch.float64), torch.ones_like(lp),
-                              ref_logp=lp - 1.0, kl_coef=0.5, kl_estimator="k1")
-    torch.testing.assert_close(with_kl - base, torch.tensor(0.5, dtype=torch.float64))
-    assert st["kl"] == pytest.approx(1.0)
+                              ref_logp=lp - 1.0, kl_coef=0.5, kl_estimator="k2")
+    torch.testing.assert_close(with_kl - base, torch.tensor(0.25, dtype=torch.float64))
+    assert st["kl"] == pytest.approx(0.5)
     with pytest.raises(KeyeInputError):
         policy_loss(lp, lp, torch.tensor([0.0], dtype=torch.float64), torch.ones_like(lp), kl_coef=0.1)
 
@@ -107,7 +110,7 @@ def test_aggregation_modes_by_hand():
     assert float(aggregate(values, mask, "token-mean")) == pytest.approx(7 / 3)
     assert float(aggregate(values, mask, "seq-mean-token-mean")) == pytest.approx((1.5 + 4.0) / 2)
     assert float(aggregate(values, mask, "seq-mean-token-sum")) == pytest.approx((3 + 4) / 2)
-    assert float(aggregate(values, mask, "seq-mean-token-sum-norm")) == pytest.approx(7 / (3 * 2))
+    assert float(aggregate(values, mask, "seq-mean-token-sum-norm", loss_scale_factor=5)) == pytest.approx(7 / (5 * 2))
     assert float(aggregate(values, mask, "token-mean", global_token_count=14)) == pytest.approx(0.5)
     with pytest.raises(KeyeConfigError):
         aggregate(values, mask, "sum")

@@ -11,7 +11,14 @@ import torch
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.processing.chat import apply_mode
 from keye.rl.rollout import PromptInputs, RLPrompt, RolloutSample
-from keye.rl.sampling import ModeMix, dynamic_sample, filter_prompts, group_minibatches, is_informative
+from keye.rl.sampling import (
+    ModeMix,
+    dynamic_sample,
+    filter_prompts,
+    group_minibatches,
+    group_signal,
+    is_informative,
+)
 from keye.rl.scoring import Scores
 
 
@@ -82,6 +89,41 @@ def test_round_limit_and_exhaustion():
         dynamic_sample(_Source(), lambda ps: _produce(ps)[:-1], 2)
     with pytest.raises(KeyeConfigError):
         dynamic_sample(_Source(), _produce, 0)
+
+
+def _scored_group(prompt_id, rewards, passed, valid=None):
+    valid = valid or [True] * len(rewards)
+    return [RolloutSample(RLPrompt(prompt_id, []), 0, PromptInputs(torch.tensor([1])), torch.tensor([1]), "", True,
+                          valid=v, reward=r if v else None, passed=ok if v else None)
+            for r, ok, v in zip(rewards, passed, valid)]
+
+
+def test_dynamic_sampling_filters_on_accuracy_by_default():
+    # "wrong": every answer wrong, format rewards differ (total reward 0 / 0.5 / 1 from the format part);
+    # "mixed": one right answer; "right": all right, one badly formatted; "replayed": all fresh answers wrong
+    # plus a replayed success and a missing replay slot
+    groups = {
+        "wrong": _scored_group("wrong", [0.0, 0.5, 1.0], [False, False, False]),
+        "mixed": _scored_group("mixed", [1.0, 1.0, 2.0], [False, False, True]),
+        "right": _scored_group("right", [2.0, 1.5, 2.0], [True, True, True]),
+        "replayed": _scored_group("replayed", [0.0, 0.0, 2.0, 0.0], [False, False, True, False],
+                                  valid=[True, True, True, False]),
+    }
+    order = list(groups)
+
+    def run(metric):
+        src = iter(order)
+        res = dynamic_sample(lambda k: [next(src) for _ in range(min(k, len(order)))], lambda ps: [groups[p] for p in ps],
+                             4, rewards_of=lambda g: group_signal(g, metric), max_rounds=1)
+        return [g[0].prompt.id for g in res.groups]
+
+    assert run("accuracy") == ["mixed", "replayed"]  # DAPO: all-wrong and all-right groups carry no signal
+    assert run("reward") == ["wrong", "mixed", "right", "replayed"]
+    assert group_signal(groups["replayed"], "accuracy") == [0.0, 0.0, 1.0]  # the missing slot is skipped
+    with pytest.raises(KeyeConfigError, match="metric"):
+        group_signal(groups["wrong"], "format")
+    with pytest.raises(KeyeInputError, match="passed"):
+        group_signal(_scored_group("x", [0.0], [None]), "accuracy")
 
 
 class _FixedPassEngine:
