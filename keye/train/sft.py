@@ -359,6 +359,40 @@ def prune_checkpoints(out_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _lora_base_weights(wrapped: kdist.Wrapped) -> dict[str, torch.Tensor]:
+    """The current base weights (and biases) of the LoRA-wrapped modules, full and on CPU on every rank."""
+    model = wrapped.model
+    out = {}
+    for name, p in model.named_parameters():
+        if ".base_layer." not in name:
+            continue
+        if wrapped.strategy == "zero3" and hasattr(p, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                out[name] = p.detach().cpu().clone()
+        elif hasattr(p, "full_tensor"):  # FSDP2 shard
+            out[name] = p.detach().full_tensor().cpu()
+        else:
+            out[name] = p.detach().cpu().clone()
+    return out
+
+
+def _check_lora_base(ckpt_dir: Path, remerged: dict[str, torch.Tensor], official: dict[str, torch.Tensor],
+                     base: dict[str, torch.Tensor]) -> None:
+    """Raise unless folding the checkpoint's adapters into ``base`` reproduces the checkpoint's export (up to
+    the model dtype's rounding, which another machine's matmul may flip): the base model is the one it was
+    trained from."""
+    for key in base:
+        merged_key = key.replace(".base_layer.", ".")
+        got, want = remerged[merged_key].float(), official[merged_key].float()
+        eps = torch.finfo(official[merged_key].dtype).eps
+        if not torch.allclose(got, want, rtol=2 * eps, atol=1e-3 * eps):
+            raise KeyeConfigError(
+                f"{ckpt_dir}: the LoRA checkpoint was not trained from this model.path ({merged_key} differs by "
+                f"up to {float((got - want).abs().max()):.3g}); resume with the base model it was trained from")
+
+
 def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info, lora: bool) -> dict[str, Any]:
     """Restore everything :func:`save_checkpoint` wrote; returns the trainer counters."""
     from keye.model.weights import iter_tensors
@@ -370,22 +404,21 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
         from safetensors.torch import load_file
 
         adapters = load_file(str(ckpt_dir / "adapter.safetensors"))
-        # The official export has LoRA merged in; rebuild base = merged - delta so training resumes exactly.
+        # The export folds each adapter into its base weight in the model dtype, a rounding that merged - delta
+        # cannot undo (in bf16 the rebuilt base is off by up to an ulp, and training no longer resumes
+        # exactly). The base weights of LoRA-wrapped modules are frozen for the whole run, so the model as
+        # just built from model.path holds them exactly: keep them, once checked to be the weights the
+        # checkpoint was trained on (folding the saved adapters into them gives the saved export).
+        base = _lora_base_weights(wrapped)
         full = {}
-        scaling = _lora_scaling(model)
         for key in model.state_dict():
             if "lora_" in key:
                 full[key] = adapters[key]
-            elif ".base_layer." in key:
-                mod, kind = key.rsplit(".base_layer.", 1)
-                val = official[f"{mod}.{kind}"]
-                if kind == "weight" and f"{mod}.lora_A.default.weight" in adapters:
-                    a = adapters[f"{mod}.lora_A.default.weight"].float()
-                    b = adapters[f"{mod}.lora_B.default.weight"].float()
-                    val = (val.float() - scaling.get(mod, 1.0) * (b @ a)).to(val.dtype)
-                full[key] = val
+            elif key in base:
+                full[key] = base[key]
             else:
                 full[key] = official[key]
+        _check_lora_base(ckpt_dir, merged_state_dict(model, full), official, base)
         official = full
     if wrapped.strategy == "fsdp2":
         from torch.distributed.checkpoint.state_dict import (

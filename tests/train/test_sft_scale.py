@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from keye.errors import KeyeConfigError
 from keye.model.weights import iter_tensors
+from keye.testing.model import save_tiny_checkpoint
+from keye.testing.processor import make_tiny_processor_dir
 from keye.train.config import load_config
 from keye.train.sft import SFTConfig, train
 
@@ -87,3 +91,38 @@ def test_deepspeed_zero_micro_batches_match_plain_run(nproc, tiny_ckpt, synth_se
         assert run["strategy"] == strategy and run["world_size"] == nproc and run["steps"] == 3
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), strategy
         _assert_params_close(_params(tmp_path / strategy), want, base)
+
+
+def _lora_bf16(tiny_ckpt, synth_set, out, *extra):
+    return load_config(SFTConfig, None, [
+        *_overrides(tiny_ckpt, synth_set, "model.dtype=bfloat16", "lora.enabled=true", "lora.targets=[llm]",
+                    "lora.r=4", "train.stage=llm_only", "data.micro_batches=2", "train.max_steps=3",
+                    "checkpoint.save_every=2", "checkpoint.keep_last=1", *extra),
+        f"checkpoint.out_dir={out}"])
+
+
+@pytest.mark.slow
+def test_lora_bf16_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tmp_path):
+    """bf16 base + LoRA: a run stopped after its step-2 checkpoint and resumed from it continues exactly as
+    the uninterrupted run (same losses bit for bit, same adapters, same merged export)."""
+    full = train(_lora_bf16(tiny_ckpt, synth_set, tmp_path / "a"))
+    part = train(_lora_bf16(tiny_ckpt, synth_set, tmp_path / "b"), stop_after=2)
+    assert not part["finished"] and [p.name for p in (tmp_path / "b").glob("step_*")] == ["step_00000002"]
+    resumed = train(_lora_bf16(tiny_ckpt, synth_set, tmp_path / "b"))
+    assert resumed["finished"] and resumed["losses"] == full["losses"]
+    a, b = (tmp_path / "a/step_00000003", tmp_path / "b/step_00000003")
+    from safetensors.torch import load_file
+
+    adapters_a, adapters_b = load_file(str(a / "adapter.safetensors")), load_file(str(b / "adapter.safetensors"))
+    assert adapters_a and set(adapters_a) == set(adapters_b)
+    assert all(torch.equal(adapters_a[k], adapters_b[k]) for k in adapters_a)
+    export_a, export_b = _params(tmp_path / "a"), _params(tmp_path / "b")
+    assert next(iter(export_a.values())).dtype == torch.bfloat16
+    assert all(torch.equal(export_a[k], export_b[k]) for k in export_a)
+    # Resume keeps the frozen base of the start model; a checkpoint trained from another base is refused.
+    other = tmp_path / "other_base"
+    make_tiny_processor_dir(other, variant="1.5")
+    save_tiny_checkpoint(other, "1.5", seed=1)
+    shutil.copytree(a, tmp_path / "c" / a.name)
+    with pytest.raises(KeyeConfigError, match="not trained from this model.path"):
+        train(_lora_bf16(other, synth_set, tmp_path / "c", "train.max_steps=4"))
