@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+from transformers import PreTrainedConfig
+
 from keye.errors import KeyeConfigError
 
 Variant = Literal["preview", "1.5"]
@@ -118,39 +121,195 @@ _TOKEN_KEYS = (
 _VISION_KEYS = tuple(f.name for f in dataclasses.fields(VisionConfig) if f.name != "extra")
 
 
-@dataclass
-class KeyeVLConfig:
-    """Full model configuration.
+def _split_flat(d: dict[str, Any]) -> dict[str, Any]:
+    """Official flat config dict -> :class:`KeyeVLConfig` constructor arguments (``d`` is consumed)."""
+    arch = (d.get("architectures") or [None])[0]
+    model_type = d.get("model_type")
+    if arch == ARCH_V15 or model_type == MODEL_TYPE_V15:
+        variant: Variant = "1.5"
+    elif arch == ARCH_PREVIEW or model_type == MODEL_TYPE_PREVIEW:
+        variant = "preview"
+    else:
+        raise KeyeConfigError(
+            f"not a Keye-VL config: architectures={d.get('architectures')!r}, model_type={model_type!r} "
+            f"(expected {ARCH_PREVIEW} or {ARCH_V15})"
+        )
+    if "text_config" in d and isinstance(d["text_config"], dict):
+        # Nested (transformers-port style) configs: flatten the text part into the top level.
+        for k, val in d.pop("text_config").items():
+            d.setdefault(k, val)
+    text_kwargs = {k: d.pop(k) for k in _TEXT_KEYS if k in d}
+    if "head_dim" not in text_kwargs and "hidden_size" in text_kwargs:
+        text_kwargs["head_dim"] = text_kwargs["hidden_size"] // text_kwargs.get("num_attention_heads", 32)
+    rope_scaling = d.get("rope_scaling") or {}
+    if isinstance(rope_scaling, dict) and "mrope_section" in rope_scaling:
+        text_kwargs["mrope_section"] = tuple(int(x) for x in rope_scaling["mrope_section"])
+    elif "rope_parameters" in d and "mrope_section" in (d["rope_parameters"] or {}):
+        text_kwargs["mrope_section"] = tuple(int(x) for x in d["rope_parameters"]["mrope_section"])
+    text = TextConfig(**text_kwargs)
+
+    vd = dict(d.pop("vision_config", None) or {})
+    vision_kwargs = {k: vd.pop(k) for k in _VISION_KEYS if k in vd}
+    vision = VisionConfig(**vision_kwargs, extra=vd)
+
+    kwargs: dict[str, Any] = {k: d.pop(k) for k in _TOKEN_KEYS if k in d}
+    kwargs["torch_dtype"] = d.pop("torch_dtype", d.pop("dtype", None))
+    if "projector_ln_eps" in d:
+        kwargs["projector_ln_eps"] = d.pop("projector_ln_eps")
+    if "attn_implementation" in d:
+        kwargs["attn_implementation"] = d.pop("attn_implementation")
+    # Loader bookkeeping transformers may pass along; it is not part of the checkpoint's file.
+    for key in ("name_or_path", "_name_or_path"):
+        d.pop(key, None)
+    return dict(variant=variant, text=text, vision=vision, extra=d, **kwargs)
+
+
+def _text_property(name: str) -> property:
+    """A top-level alias of ``config.text.<name>`` (transformers reads e.g. ``config.num_hidden_layers``)."""
+
+    def get(self):
+        return getattr(self.text, name)
+
+    def set_(self, value):
+        setattr(self.text, name, value)
+
+    return property(get, set_, doc=f"Alias of ``text.{name}``.")
+
+
+class KeyeVLConfig(PreTrainedConfig):
+    """Full model configuration, a transformers ``PreTrainedConfig`` read from and written to the official
+    flat ``config.json``.
+
+    Constructed either from typed parts (``KeyeVLConfig(variant=..., text=TextConfig(...),
+    vision=VisionConfig(...), ...)``) or, as transformers does, from the flat keys of the file
+    (``KeyeVLConfig(**json.load(f))``). ``KeyeVLConfig(variant="1.5", ...)`` returns a
+    :class:`KeyeVL1_5Config` so that the model type (``"Keye"`` or ``"KeyeVL1_5"``) matches the file.
 
     Attributes:
         variant: ``"preview"`` or ``"1.5"``; decides projector norm placement, vision segments and
             video mRoPE blocks.
-        text / vision: the two towers.
+        text / vision: the two towers (the text fields are also readable at the top level,
+            e.g. ``config.num_hidden_layers``, as transformers expects).
         *_token_id: special token ids, read from the checkpoint (never assumed).
         projector_ln_eps: eps of ``mlp_AR.pre_norm`` (1e-5 in both official variants).
         attn_implementation: ``sdpa`` (default), ``eager`` or ``flash_attention_2``.
-        torch_dtype: the dtype recorded in the checkpoint (``"bfloat16"`` for the 8B models).
+        torch_dtype: the dtype recorded in the checkpoint as a string (``"bfloat16"`` for the 8B models).
         extra: every other top-level key of config.json, kept for a lossless round trip.
     """
 
-    variant: Variant = "preview"
-    text: TextConfig = field(default_factory=TextConfig)
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    bos_token_id: int | None = 151643
-    eos_token_id: int | list[int] | None = 151645
-    pad_token_id: int | None = None
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    vision_token_id: int = 151654
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    projector_ln_eps: float = 1e-5
-    attn_implementation: str = "sdpa"
-    torch_dtype: str | None = "bfloat16"
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    model_type = MODEL_TYPE_PREVIEW
 
-    def __post_init__(self) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any):
+        variant = kwargs.get("variant")
+        if variant is None and ("architectures" in kwargs or "model_type" in kwargs):
+            arch = (kwargs.get("architectures") or [None])[0]
+            variant = "1.5" if arch == ARCH_V15 or kwargs.get("model_type") == MODEL_TYPE_V15 else None
+        if cls is KeyeVLConfig and variant == "1.5":
+            cls = KeyeVL1_5Config
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        variant: Variant | None = None,
+        text: TextConfig | None = None,
+        vision: VisionConfig | None = None,
+        bos_token_id: int | None = 151643,
+        eos_token_id: int | list[int] | None = 151645,
+        pad_token_id: int | None = None,
+        vision_start_token_id: int = 151652,
+        vision_end_token_id: int = 151653,
+        vision_token_id: int = 151654,
+        image_token_id: int = 151655,
+        video_token_id: int = 151656,
+        projector_ln_eps: float = 1e-5,
+        attn_implementation: str | None = "sdpa",
+        torch_dtype: str | None = "bfloat16",
+        extra: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        base = {k: kwargs.pop(k) for k in _BASE_FIELDS if k in kwargs}
+        if kwargs.get("dtype") is not None and torch_dtype == "bfloat16":
+            torch_dtype = kwargs.pop("dtype")
+        kwargs.pop("dtype", None)
+        if text is None and vision is None and any(k in kwargs for k in _FLAT_MARKERS):
+            # Flat keys of an official config.json (transformers builds configs as ``cls(**config_dict)``).
+            flat = dict(kwargs, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id,
+                        vision_token_id=vision_token_id, image_token_id=image_token_id,
+                        video_token_id=video_token_id, torch_dtype=torch_dtype, projector_ln_eps=projector_ln_eps)
+            if attn_implementation is not None:
+                flat["attn_implementation"] = attn_implementation
+            if "architectures" not in flat and "model_type" not in flat:
+                flat["model_type"] = MODEL_TYPE_V15 if (variant or self._default_variant) == "1.5" else MODEL_TYPE_PREVIEW
+            parts = _split_flat(flat)
+            variant, text, vision = parts.pop("variant"), parts.pop("text"), parts.pop("vision")
+            extra = {**(extra or {}), **parts.pop("extra")}
+            bos_token_id, eos_token_id, pad_token_id = (parts[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
+            vision_start_token_id, vision_end_token_id = parts["vision_start_token_id"], parts["vision_end_token_id"]
+            vision_token_id, image_token_id = parts["vision_token_id"], parts["image_token_id"]
+            video_token_id, projector_ln_eps = parts["video_token_id"], parts["projector_ln_eps"]
+            torch_dtype = parts["torch_dtype"]
+            attn_implementation = parts.get("attn_implementation", attn_implementation)
+            kwargs = {}
+        self.variant = variant or self._default_variant
+        self.text = text if text is not None else TextConfig()
+        self.vision = vision if vision is not None else VisionConfig()
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.vision_end_token_id = vision_end_token_id
+        self.vision_token_id = vision_token_id
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.projector_ln_eps = projector_ln_eps
+        self.extra = dict(extra or {})
+        # Unknown top-level keys are kept verbatim (not as attributes) for the lossless round trip.
+        self.extra.update(kwargs)
+        super().__init__(dtype=_dtype_name(torch_dtype), attn_implementation=attn_implementation or "sdpa", **base)
         self.validate()
+
+    _default_variant = "preview"
+
+    # ------------------------------------------------------------------ transformers surface
+    vocab_size = _text_property("vocab_size")
+    hidden_size = _text_property("hidden_size")
+    intermediate_size = _text_property("intermediate_size")
+    num_hidden_layers = _text_property("num_hidden_layers")
+    num_attention_heads = _text_property("num_attention_heads")
+    num_key_value_heads = _text_property("num_key_value_heads")
+    head_dim = _text_property("head_dim")
+    rms_norm_eps = _text_property("rms_norm_eps")
+    rope_theta = _text_property("rope_theta")
+    max_position_embeddings = _text_property("max_position_embeddings")
+    tie_word_embeddings = _text_property("tie_word_embeddings")
+    initializer_range = _text_property("initializer_range")
+
+    @property
+    def attn_implementation(self) -> str:
+        """The attention backend name (``sdpa``, ``eager`` or ``flash_attention_2``)."""
+        return self._attn_implementation or "sdpa"
+
+    @attn_implementation.setter
+    def attn_implementation(self, value: str) -> None:
+        self._attn_implementation = value
+
+    @property
+    def torch_dtype(self) -> str | None:
+        """The recorded weight dtype as a string (``"bfloat16"``), or None."""
+        return None if self.dtype is None else str(self.dtype).removeprefix("torch.")
+
+    @torch_dtype.setter
+    def torch_dtype(self, value: Any) -> None:
+        self.dtype = None if value is None else getattr(torch, _dtype_name(value))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeyeVLConfig) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(variant={self.variant!r}, text={self.text!r}, vision={self.vision!r})"
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -180,57 +339,45 @@ class KeyeVLConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """``eos_token_id`` as a list (empty when unset)."""
         if self.eos_token_id is None:
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
     @property
     def architecture(self) -> str:
+        """The official architecture name of this variant."""
         return ARCH_V15 if self.variant == "1.5" else ARCH_PREVIEW
 
     # --------------------------------------------------------------- flat json
     @classmethod
-    def from_dict(cls, d: dict[str, Any], **overrides: Any) -> KeyeVLConfig:
+    def from_dict(cls, config_dict: dict[str, Any], **overrides: Any) -> KeyeVLConfig:
         """Build from the official flat config dict (``config.json`` content).
 
-        ``overrides`` set top-level dataclass fields (e.g. ``attn_implementation="eager"``).
+        ``overrides`` set top-level fields (e.g. ``attn_implementation="eager"``). Called by
+        transformers' ``from_pretrained`` too: ``return_unused_kwargs=True`` then returns
+        ``(config, unused)`` with the keyword arguments that are not config fields.
         """
-        d = copy.deepcopy(d)
-        arch = (d.get("architectures") or [None])[0]
-        model_type = d.get("model_type")
-        if arch == ARCH_V15 or model_type == MODEL_TYPE_V15:
-            variant: Variant = "1.5"
-        elif arch == ARCH_PREVIEW or model_type == MODEL_TYPE_PREVIEW:
-            variant = "preview"
-        else:
-            raise KeyeConfigError(
-                f"not a Keye-VL config: architectures={d.get('architectures')!r}, model_type={model_type!r} "
-                f"(expected {ARCH_PREVIEW} or {ARCH_V15})"
-            )
-        if "text_config" in d and isinstance(d["text_config"], dict):
-            # Nested (transformers-port style) configs: flatten the text part into the top level.
-            for k, val in d.pop("text_config").items():
-                d.setdefault(k, val)
-        text_kwargs = {k: d.pop(k) for k in _TEXT_KEYS if k in d}
-        if "head_dim" not in text_kwargs and "hidden_size" in text_kwargs:
-            text_kwargs["head_dim"] = text_kwargs["hidden_size"] // text_kwargs.get("num_attention_heads", 32)
-        rope_scaling = d.get("rope_scaling") or {}
-        if isinstance(rope_scaling, dict) and "mrope_section" in rope_scaling:
-            text_kwargs["mrope_section"] = tuple(int(x) for x in rope_scaling["mrope_section"])
-        elif "rope_parameters" in d and "mrope_section" in (d["rope_parameters"] or {}):
-            text_kwargs["mrope_section"] = tuple(int(x) for x in d["rope_parameters"]["mrope_section"])
-        text = TextConfig(**text_kwargs)
-
-        vd = dict(d.pop("vision_config", None) or {})
-        vision_kwargs = {k: vd.pop(k) for k in _VISION_KEYS if k in vd}
-        vision = VisionConfig(**vision_kwargs, extra=vd)
-
-        kwargs: dict[str, Any] = {k: d.pop(k) for k in _TOKEN_KEYS if k in d}
-        kwargs["torch_dtype"] = d.pop("torch_dtype", d.pop("dtype", None))
-        if "projector_ln_eps" in d:
-            kwargs["projector_ln_eps"] = d.pop("projector_ln_eps")
-        kwargs.update(overrides)
-        return cls(variant=variant, text=text, vision=vision, extra=d, **kwargs)
+        return_unused = overrides.pop("return_unused_kwargs", False)
+        unused = {}
+        for key in list(overrides):
+            if key in ("_from_auto", "_from_pipeline", "name_or_path"):
+                overrides.pop(key)
+            elif key in ("torch_dtype", "dtype"):
+                value = overrides.pop(key)
+                if value not in (None, "auto"):
+                    overrides["torch_dtype"] = _dtype_name(value)
+            elif key not in _OVERRIDABLE:
+                unused[key] = overrides.pop(key)
+        if unused and not return_unused:
+            raise KeyeConfigError(f"unexpected config field(s): {', '.join(sorted(unused))}")
+        parts = _split_flat(copy.deepcopy(config_dict))
+        parts.update(overrides)
+        target = KeyeVL1_5Config if parts["variant"] == "1.5" else KeyeVLConfig
+        if issubclass(cls, target):
+            target = cls
+        config = target(**parts)
+        return (config, unused) if return_unused else config
 
     def to_dict(self) -> dict[str, Any]:
         """Return the official flat config dict (loadable by the official code and vLLM)."""
@@ -269,6 +416,15 @@ class KeyeVLConfig:
         d["vision_config"] = vd
         return d
 
+    def to_diff_dict(self) -> dict[str, Any]:
+        """The flat dict (the official file has no notion of "differences from defaults")."""
+        return self.to_dict()
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """``config.json`` text in the official flat format (``use_diff`` is accepted and ignored)."""
+        del use_diff
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
     @classmethod
     def from_json_file(cls, path: str | Path, **overrides: Any) -> KeyeVLConfig:
         """Read ``config.json`` (a file, or a directory containing it)."""
@@ -286,12 +442,43 @@ class KeyeVLConfig:
         except TypeError as err:
             raise KeyeConfigError(f"{path}: unexpected config field ({err})") from None
 
-    def to_json_file(self, path: str | Path) -> None:
+    def to_json_file(self, path: str | Path, use_diff: bool = True) -> None:
         """Write the official flat ``config.json`` (``path`` may be a directory)."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        path.write_text(self.to_json_string(use_diff))
+
+
+class KeyeVL1_5Config(KeyeVLConfig):  # noqa: N801 - the official architecture spelling
+    """:class:`KeyeVLConfig` of a Keye-VL-1.5 checkpoint (``model_type`` ``"KeyeVL1_5"``)."""
+
+    model_type = MODEL_TYPE_V15
+    _default_variant = "1.5"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # Defined so that transformers' config machinery keeps KeyeVLConfig's constructor for this class.
+        super().__init__(*args, **kwargs)
+
+
+# PreTrainedConfig dataclass fields that pass through to the base class unchanged.
+_BASE_FIELDS = ("output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
+                "id2label", "label2id", "problem_type", "output_attentions")
+# Keys that mark a call with the flat file's layout rather than typed parts.
+_FLAT_MARKERS = ("architectures", "model_type", "vision_config", "rope_scaling", *_TEXT_KEYS)
+# Keyword arguments ``from_dict`` / ``from_pretrained`` may set on top of the file.
+_OVERRIDABLE = ("attn_implementation", "torch_dtype", "projector_ln_eps", "variant", "text", "vision",
+                *_TOKEN_KEYS)
+
+
+def _dtype_name(value: Any) -> str | None:
+    """``torch.bfloat16`` / ``"torch.bfloat16"`` / ``"bfloat16"`` -> ``"bfloat16"``; None stays None."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise KeyeConfigError(f"unknown torch_dtype {value!r}")
+    return name
 
 
 def tiny_config(variant: Variant = "preview", **overrides: Any) -> KeyeVLConfig:

@@ -106,8 +106,10 @@ class TextAttention(nn.Module):
                 scale=self.scale, causal=True, backend=self.backend,
             ).transpose(0, 1)[None]
         else:
-            if cache is not None:
+            if isinstance(cache, KVCache):
                 k, v = cache.update(self.layer_idx, k, v)
+            elif cache is not None:  # a transformers Cache (generate's DynamicCache, StaticCache, ...)
+                k, v = cache.update(k, v, self.layer_idx)
             o = padded_attention(q, k, v, key_mask, scale=self.scale, causal=True, backend=self.backend)
         return self.o_proj(o.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -153,6 +155,6 @@ class TextModel(nn.Module):
                 x = checkpoint(layer, x, cos, sin, key_mask, None, cu_seqlens, attn_override, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, key_mask, cache, cu_seqlens, attn_override)
-        if cache is not None:
+        if isinstance(cache, KVCache):
             cache.advance(inputs_embeds.shape[1])
         return self.norm(x)
