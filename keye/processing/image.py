@@ -289,7 +289,8 @@ def prepare_image(
     item: Any = None,
     path: Any = None,
 ) -> Image.Image:
-    """Resize a loaded RGB image to keye-vl-utils' ``smart_resize`` size (BICUBIC, Pillow maths).
+    """Resize a loaded RGB image to keye-vl-utils' ``smart_resize`` size (BICUBIC, Pillow 13.0's maths and
+    pass order, see :mod:`keye.processing.resample`).
 
     ``min_pixels``/``max_pixels`` default to the variant's stage-1 bounds (§8.1);
     ``resized_height``/``resized_width`` (both) replace the source size before smart_resize, as the
@@ -460,9 +461,9 @@ class KeyeImageProcessor:
         """Process one image (a 1-element list) or the frames of one video.
 
         ``frames`` is a list of PIL RGB images or a uint8 array ``[T, H, W, 3]``. All frames are resized
-        (Pillow-exact maths, the configured filter, skipped when the size already matches) to ``size_hw``
-        or to the target size of the first frame. Returns ``(pixel_values float32 [T*h*w, 3, 14, 14],
-        [T, h, w])``.
+        (Pillow 13.0-exact maths and pass order, the configured filter, skipped when the size already
+        matches) to ``size_hw`` or to the target size of the first frame. Returns
+        ``(pixel_values float32 [T*h*w, 3, 14, 14], [T, h, w])``.
         """
         if isinstance(frames, np.ndarray):
             if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
