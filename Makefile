@@ -19,7 +19,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-install: $(VENV)/.installed
+# Stock Pillow 13.0 in a side folder off the venv's import path (gradio pins pillow<13), for
+# tests/processing/test_resample_pillow13.py, which checks keye's resampler against it bit for bit.
+$(VENV)/.pillow13: | $(BIN)/python
+	$(BIN)/pip install -q --upgrade --no-warn-conflicts --target $(VENV)/pillow13 pillow==13.0.0
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.pillow13
 
 test: install
 	$(BIN)/ruff check keye tests benchmarks training eval demo data
