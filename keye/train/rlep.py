@@ -21,7 +21,8 @@ optimizer, logging, evaluation and checkpoints):
    shared-prefix tree (``tree.enabled``) or padded batches;
 5. ``ppo_epochs`` x ``mini_batches`` optimizer updates on whole groups; every micro-batch loss is
    normalised by the token count of the whole mini-batch over all ranks, gradients are summed over
-   ranks (data parallelism by explicit all-reduce: ranks may hold different numbers of live samples).
+   ranks (data parallelism by explicit all-reduce: ranks may hold different numbers of live samples);
+   a mini-batch without a loss token on any rank is skipped on every rank (no empty AdamW step).
 
 All randomness of a step (sampling, replay draws, mode assignment, mini-batch order) is seeded from
 ``(train.seed, step, rank)``; a checkpoint stores the model, optimizer, scheduler, the prompt stream
@@ -840,6 +841,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         per_mb = max(1, -(-n_groups // a.mini_batches))
         update_stats: list[dict[str, float]] = []
         grad_norms: list[float] = []
+        skipped = 0
         for _ in range(a.ppo_epochs):
             mbs = group_minibatches(group_ids, per_mb, generator=gen) if samples else []
             # every rank runs exactly mini_batches updates (collectives inside), empty ones included
@@ -855,6 +857,13 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                     st = accumulate_policy_gradients(model, chosen, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
                                                      temperature=r.temperature, loss_kwargs=loss_kwargs,
                                                      with_entropy=True)
+                if not st["tokens"]:
+                    # no rank has a loss token: an AdamW step on zero gradients would still move the weights
+                    # (momentum, weight decay) and advance its step count. st["tokens"] is the all-rank count
+                    # (all-reduced inside the accumulation), so every rank skips together
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
                 _average_gradients(trainable, info.world_size)
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.train.grad_clip)))
                 optimizer.step()
@@ -871,6 +880,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         row.update(pool.stats())
         row["pool/added"] = float(pool_added)
         row["grad_norm"] = _mean(grad_norms)
+        row["updates_skipped"] = float(skipped)
         row["lr"] = scheduler.get_last_lr()[0]
         dt = time.time() - t0
         step_tokens = row.pop("_tokens")

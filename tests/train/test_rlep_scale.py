@@ -5,6 +5,8 @@ driven through the real :class:`keye.rl.VLLMRollout`."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +57,65 @@ def test_vllm_engine_serves_the_resumed_policy(tiny_ckpt, rl_set, tmp_path, monk
     a = KeyeVL.from_pretrained(tmp_path / "a/final").state_dict()
     b = KeyeVL.from_pretrained(tmp_path / "b/final").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _optimizer_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    return {f"{i}/{k}": torch.as_tensor(v) for i, s in state.items() for k, v in s.items()}
+
+
+@pytest.mark.slow
+def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ckpt, rl_set, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
+    """Step 2 samples only placeholder ids (scored as text, never trained): its mini-batches hold no loss
+    token, so the optimizer must not step; AdamW with the momentum of step 1 and weight decay would move
+    every weight without data and advance its step count."""
+    fake = _fake(monkeypatch)
+    fake.LLM.placeholder_calls = {1}  # the second generate call = step 2's rollouts
+    out = tmp_path / "run"
+    summary = train(_cfg(tiny_ckpt, rl_set, out, "rollout.engine=vllm", "replay.M=0", "train.steps=2",
+                         "algorithm.mini_batches=2", "train.weight_decay=0.1", "checkpoint.save_every=1",
+                         "checkpoint.keep_last=3"))
+    assert summary["steps"] == 2 and summary["losses"][0] != 0 and summary["losses"][1] == 0
+    one, two = out / "step_00000001", out / "step_00000002"
+    assert _weights(one / "model") == _weights(two / "model")
+    s1, s2 = _optimizer_state(one), _optimizer_state(two)
+    assert s1 and s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert any(k.endswith("/exp_avg") and s1[k].abs().sum() > 0 for k in s1)  # step 1 did build momentum
+
+
+def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str,
+              env: dict[str, str] | None = None) -> dict[int, float]:
+    """One 2-process gloo run of ``_dist_rlep.py``; returns each rank's parameter checksum."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(REPO / "tests/train/_dist_rlep.py"), str(out), f"model.path={tiny_ckpt}",
+           f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4",
+           f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2", "log.progress=false",
+           "train.device=cpu", *overrides]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING", **(env or {})},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.slow
+def test_two_processes_padded_empty_mini_batches_do_not_step(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """2 ranks with one group each: ``mini_batches=2`` leaves the second mini-batch empty on both ranks.
+    Skipping it makes the run equal to ``mini_batches=1`` (the same single update per step); stepping
+    AdamW on the all-reduced zero gradients moved the weights by momentum alone."""
+    two = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb2", "algorithm.mini_batches=2", "replay.M=1")
+    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb1", "algorithm.mini_batches=1", "replay.M=1")
+    assert two[0] == two[1] and one[0] == one[1]
+    assert two[0] == one[0]
+
+
+@pytest.mark.slow
+def test_two_processes_one_rank_without_tokens_still_steps_on_both(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """Rank 1 samples only placeholder ids (no loss token), rank 0 ordinary text: the skip decision is taken
+    on the all-rank token count, so both ranks step (no deadlock, no divergence) and stay identical."""
+    sums = _torchrun(tiny_ckpt, rl_set, tmp_path / "half", "rollout.engine=vllm", "replay.M=0",
+                     "train.weight_decay=0.1", env={"FAKE_VLLM_PLACEHOLDER_RANKS": "1"})
+    assert sums[0] == sums[1]
+    with torch.no_grad():
+        start = float(sum(p.double().sum() for p in KeyeVL.from_pretrained(tiny_ckpt).parameters()))
+    assert sums[0] != start  # both replicas trained on rank 0's tokens
