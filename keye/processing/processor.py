@@ -135,6 +135,13 @@ def _source_name(src: Any) -> str:
     return type(src).__name__
 
 
+# Arguments transformers.AutoProcessor forwards to a registered processor's from_pretrained.
+_AUTO_PROCESSOR_KWARGS = frozenset({
+    "_from_auto", "_from_pipeline", "trust_remote_code", "revision", "cache_dir", "token", "local_files_only",
+    "force_download", "proxies", "subfolder", "code_revision", "_commit_hash",
+})
+
+
 class KeyeProcessor:
     """Messages -> tensors for Keye-VL preview and 1.5 checkpoints.
 
@@ -234,14 +241,20 @@ class KeyeProcessor:
 
     @classmethod
     def from_pretrained(
-        cls, path_or_hub_id: str | Path, variant: str | None = None, video_backend: str | None = None
+        cls, path_or_hub_id: str | Path, variant: str | None = None, video_backend: str | None = None,
+        **hub_kwargs: Any,
     ) -> KeyeProcessor:
         """Load from a local directory or a hub id (``snapshot_download`` of the small files only).
 
         Reads the tokenizer with ``transformers.AutoTokenizer``, ``preprocessor_config.json`` and
         ``chat_template.json`` (or ``chat_template.jinja``; default: the official template).
         Raises :class:`KeyeConfigError` for a missing directory, unreachable hub or broken files.
+        ``hub_kwargs`` are the bookkeeping arguments ``transformers.AutoProcessor`` passes along
+        (``trust_remote_code``, ``revision``, ...); they are accepted and not needed.
         """
+        unknown = sorted(set(hub_kwargs) - _AUTO_PROCESSOR_KWARGS)
+        if unknown:
+            raise TypeError(f"KeyeProcessor.from_pretrained got unsupported argument(s): {', '.join(unknown)}")
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -399,7 +412,7 @@ class KeyeProcessor:
             floor_pixels=opts.floor_pixels,
             item=where,
         )
-        if opts.resized_height is not None:
+        if opts.resized_height is not None and not video.presized:  # frame lists are resized already
             sizes = sizes.with_slow_size(opts.resized_height, opts.resized_width)
         sets = {}
         for kind, mask, hw in (("slow", ~is_fast, sizes.slow_hw), ("fast", is_fast, sizes.fast_hw)):
@@ -587,3 +600,8 @@ class KeyeProcessor:
         if for_training:
             out["labels"] = labels
         return out
+
+
+class KeyeVL1_5Processor(KeyeProcessor):  # noqa: N801 - the official processor_class name
+    """:class:`KeyeProcessor` under the official 1.5 name (``processor_class`` of Keye-VL-1.5's
+    ``preprocessor_config.json``), so that ``transformers.AutoProcessor`` resolves that name to Keye."""
