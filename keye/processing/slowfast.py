@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 from keye.errors import KeyeInputError
 from keye.processing.image import IMAGE_FACTOR, smart_resize
+
+logger = logging.getLogger(__name__)
 
 SLOW, FAST = 0, 1
 TOKEN_PIXELS = 28 * 28
@@ -63,13 +66,19 @@ def rgb_to_hsv_u8(rgb: np.ndarray) -> np.ndarray:
     return np.stack([h, s, v], axis=-1).astype(np.uint8)
 
 
-def _patch_vectors(hsv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 HSV [H, W, 3] -> (patch vectors [P, 3*28*28] in (c, y, x) order, their L2 norms)."""
+def _patch_vectors(hsv: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 HSV [H, W, 3] -> (unit patch vectors [gh, gw, 3*28*28] in (c, y, x) order, L2 norms + 1e-8).
+
+    torch float32 with the reference's op order (norm, divide, multiply, sum), so cosines sitting on the
+    0.7 threshold round the same way as in keye-vl-utils.
+    """
     h, w, _ = hsv.shape
     gh, gw = h // SIM_PATCH, w // SIM_PATCH
-    x = hsv[: gh * SIM_PATCH, : gw * SIM_PATCH].astype(np.float32).transpose(2, 0, 1)
-    x = x.reshape(3, gh, SIM_PATCH, gw, SIM_PATCH).transpose(1, 3, 0, 2, 4).reshape(gh * gw, -1)
-    return x, np.linalg.norm(x, axis=1)
+    x = torch.from_numpy(np.ascontiguousarray(hsv[: gh * SIM_PATCH, : gw * SIM_PATCH])).float()
+    x = x.permute(2, 0, 1).reshape(3, gh, SIM_PATCH, gw, SIM_PATCH).permute(1, 3, 0, 2, 4)
+    x = x.reshape(gh, gw, -1).contiguous()
+    norm = torch.norm(x, p=2, dim=-1, keepdim=True) + 1e-8
+    return x / norm, norm
 
 
 def frame_similarity(
@@ -78,20 +87,22 @@ def frame_similarity(
     """Fraction of 28x28 HSV patches whose cosine similarity exceeds ``patch_threshold`` (§10.3).
 
     Patches black in both frames (both norms < 0.01) are left out; with no patch left the frames count
-    as identical (1.0).
+    as identical (1.0). The fraction is a float32 mean, as in the reference: 9 of 10 patches gives
+    0.89999998, which is below a 0.9 threshold.
     """
     return _similarity(_patch_vectors(key_hsv), _patch_vectors(frame_hsv), patch_threshold)
 
 
 def _similarity(
-    key: tuple[np.ndarray, np.ndarray], cur: tuple[np.ndarray, np.ndarray], patch_threshold: float
+    key: tuple[torch.Tensor, torch.Tensor], cur: tuple[torch.Tensor, torch.Tensor], patch_threshold: float
 ) -> float:
     (a, na), (b, nb) = key, cur
-    cos = (a * b).sum(axis=1) / ((na + 1e-8) * (nb + 1e-8))
-    valid = ~((na < 0.01) & (nb < 0.01))
-    if not valid.any():
+    cos = (a * b).sum(dim=-1)
+    valid = ~((na[..., 0] < 0.01) & (nb[..., 0] < 0.01))
+    if not bool(valid.any()):
         return 1.0
-    return float((cos[valid] > patch_threshold).mean())
+    # float32 mean on purpose: the float64 fraction would flip frames sitting exactly on the threshold.
+    return float((cos[valid] > patch_threshold).float().mean())
 
 
 def _hsv_fast(rgb: np.ndarray) -> np.ndarray:
@@ -185,59 +196,70 @@ def slowfast_sizes(
 ) -> SlowFastSizes:
     """Slow/fast resolutions for a ``height x width`` video with ``n_slow`` + ``n_fast`` frames (§10.4).
 
-    Binary search over the per-slow-frame token count T in ``[min_pixels/784, max_pixels/784]`` with the
-    reference's loop and estimate ``784*(n_slow*T + n_fast*max(int(0.3*T), min_tokens))``, then
-    ``smart_resize`` for both sizes. One deliberate difference: the reference keeps the *first T that
-    exceeds* the budget; we keep the last T that fits, so the video's tokens never exceed
-    ``total_pixels/784``. The spec's worked examples (§10.4) give the same sizes either way.
-    Defaults: min 37,632, max 602,112, total 51,380,224 pixels. ``floor_pixels`` is the smallest frame
-    size any option may ask for (the reference's fixed 37,632 = 48 tokens; a checkpoint may set its own,
-    e.g. a tiny CPU model). Raises :class:`KeyeInputError` when even the minimum size per frame exceeds
-    the total budget.
+    keye-vl-utils 1.5.2's rule, to the last bit: binary search over the per-slow-frame token count T on
+    ``[min_pixels/784, max_pixels/784)`` (plain divisions, so the bounds may be fractional) with the
+    estimate ``784*(n_slow*T + n_fast*max(int(0.3*T), min_tokens))``; the search settles on the first T
+    whose estimate exceeds ``total_pixels`` (or the upper bound), so a video may pass the budget by up to
+    one token per slow frame, as in the reference. Slow size: ``smart_resize(H, W, 28, min_pixels,
+    T*784)``; fast size: ``smart_resize(H, W, 28, min_pixels, max(int(0.3*slow_tokens)*784, floor))``,
+    whose cap follows the fixed floor, not the item's ``min_pixels``.
+
+    Defaults: min 37,632, max 602,112, total 51,380,224 pixels. ``floor_pixels`` (keye's checkpoint
+    option, e.g. a tiny CPU model) replaces the fixed 37,632-pixel floor. When even the smallest frames
+    exceed ``total_pixels`` the reference still returns them at the floor size; so does this function,
+    with a logged warning. Raises :class:`KeyeInputError` when there is no slow frame.
     """
-    floor = floor_pixels or VIDEO_MIN_PIXELS
-    lo_px = max(min_pixels or floor, floor)
-    hi_px = max_pixels or VIDEO_MAX_PIXELS
-    total = total_pixels or VIDEO_TOTAL_PIXELS
+    floor = int(floor_pixels or VIDEO_MIN_PIXELS)
+    lo_px = max(int(min_pixels if min_pixels is not None else floor), floor)
+    hi_px = max_pixels if max_pixels is not None else VIDEO_MAX_PIXELS
+    total = total_pixels if total_pixels is not None else VIDEO_TOTAL_PIXELS
     if n_slow < 1 or n_fast < 0:
         raise KeyeInputError(
             f"a video needs at least one slow frame (got {n_slow} slow, {n_fast} fast)", item=item
         )
     min_tokens = int(lo_px / TOKEN_PIXELS)
 
-    def est(t: int) -> int:
+    def est(t: float) -> float:
         return TOKEN_PIXELS * (n_slow * t + n_fast * max(int(fast_ratio * t), min_tokens))
 
     if est(min_tokens) > total:
-        raise KeyeInputError(
-            f"token budget cannot fit: {n_slow + n_fast} frames need at least {est(min_tokens):,} pixels at "
-            f"min_pixels={lo_px:,} but total_pixels={total:,}; lower max_frames/fps or raise total_pixels",
-            item=item,
+        logger.warning(
+            "%s: %d frames need at least %s pixels at min_pixels=%s, over the total budget of %s; "
+            "using the smallest frame size anyway (as keye-vl-utils does)",
+            item if item is not None else "video",
+            n_slow + n_fast,
+            f"{est(min_tokens):,.0f}",
+            f"{lo_px:,}",
+            f"{total:,}",
         )
-    left, right = min_tokens, int(hi_px / TOKEN_PIXELS)
+    # Float bounds on purpose: the reference divides without rounding, and a fractional bound changes
+    # where the search stops.
+    left: float = lo_px / TOKEN_PIXELS
+    right: float = hi_px / TOKEN_PIXELS
     while left < right:
         mid = int(left + right) // 2
         if est(mid) > total:
             right = mid
         else:
             left = mid + 1
-    if est(left) > total:
-        left -= 1  # the loop stops one past the largest fitting T when the budget binds
     slow_hw = smart_resize(
         height, width, IMAGE_FACTOR, lo_px, left * TOKEN_PIXELS, clamp_min_side=True, item=item
     )
     slow_tokens = slow_hw[0] * slow_hw[1] // TOKEN_PIXELS
-    fast_max = max(int(slow_tokens * fast_ratio) * TOKEN_PIXELS, lo_px)
+    fast_max = max(int(slow_tokens * fast_ratio) * TOKEN_PIXELS, floor)
     fast_hw = smart_resize(height, width, IMAGE_FACTOR, lo_px, fast_max, clamp_min_side=True, item=item)
     return SlowFastSizes(
-        n_slow, n_fast, slow_hw, fast_hw, slow_tokens, fast_hw[0] * fast_hw[1] // TOKEN_PIXELS, left
+        n_slow, n_fast, slow_hw, fast_hw, slow_tokens, fast_hw[0] * fast_hw[1] // TOKEN_PIXELS, int(left)
     )
 
 
 def max_frames_for_budget(
     min_pixels: float | None = None, total_pixels: float | None = None, floor_pixels: float | None = None
 ) -> int:
-    """Frame cap of the 1.5 sampler: ``int(total_pixels / min_pixels)`` (1365 by default)."""
-    floor = floor_pixels or VIDEO_MIN_PIXELS
-    lo = max(min_pixels or floor, floor)
-    return int((total_pixels or VIDEO_TOTAL_PIXELS) / lo)
+    """Frame cap of the 1.5 sampler: ``int(total_pixels / min_pixels)`` (1365 by default).
+
+    As in keye-vl-utils 1.5.2 the item's ``min_pixels`` is used as given (not raised to the 37,632-pixel
+    floor that the frame sizes use); without it the floor (``floor_pixels`` or 37,632) divides.
+    """
+    lo = min_pixels if min_pixels is not None else (floor_pixels or VIDEO_MIN_PIXELS)
+    return int((total_pixels if total_pixels is not None else VIDEO_TOTAL_PIXELS) / lo)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import math
 import os
 import tempfile
@@ -47,6 +48,8 @@ from keye.processing.slowfast import (
     max_frames_for_budget,
 )
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("pyav", "decord", "torchcodec")
 ENV_BACKEND = "KEYE_VIDEO_BACKEND"
 
@@ -70,6 +73,8 @@ class VideoOptions:
     """Per-item video options of the message schema (keye-vl-utils keys). None means "the default".
 
     Times are in seconds, pixel counts in pixels. ``slow_fast``/``min_frame_similarity`` apply to 1.5.
+    The whole-video pixel budget has two names: ``video_total_pixels`` (the key keye-vl-utils 1.5.2 reads)
+    and ``total_pixels`` (the preview's key); :meth:`from_item` folds the first into the second.
     """
 
     fps: float | None = None
@@ -79,6 +84,7 @@ class VideoOptions:
     min_pixels: int | None = None
     max_pixels: int | None = None
     total_pixels: int | None = None
+    video_total_pixels: int | None = None
     video_start: float | None = None
     video_end: float | None = None
     resized_height: int | None = None
@@ -95,7 +101,8 @@ class VideoOptions:
         ignored).
 
         Raises :class:`KeyeInputError` naming ``item`` for non-positive fps / frame counts / pixel
-        budgets, a time range with ``video_end <= video_start`` or only one of ``resized_height/width``.
+        budgets, a time range with ``video_end <= video_start``, only one of ``resized_height/width``, or
+        ``total_pixels`` and ``video_total_pixels`` both given with different values.
         """
         d = dict(content or {})
         names = cls.__dataclass_fields__
@@ -112,6 +119,7 @@ class VideoOptions:
             "min_pixels",
             "max_pixels",
             "total_pixels",
+            "video_total_pixels",
             "floor_pixels",
         ):
             v = getattr(opts, name)
@@ -123,6 +131,13 @@ class VideoOptions:
                 raise bad(f"video option {name} must be a non-negative number of seconds, got {v!r}")
         if opts.video_start is not None and opts.video_end is not None and opts.video_end <= opts.video_start:
             raise bad(f"video_end ({opts.video_end}) must be after video_start ({opts.video_start})")
+        if opts.video_total_pixels is not None:
+            if opts.total_pixels is not None and opts.total_pixels != opts.video_total_pixels:
+                raise bad(
+                    f"total_pixels ({opts.total_pixels}) and video_total_pixels ({opts.video_total_pixels}) "
+                    "name the same budget; give one"
+                )
+            opts.total_pixels = opts.video_total_pixels
         if (opts.resized_height is None) != (opts.resized_width is None):
             raise bad("give both resized_height and resized_width, or neither")
         if not 0.0 <= opts.min_frame_similarity <= 1.0:
@@ -221,7 +236,7 @@ def _floor_by(x: float, f: int) -> int:
 
 
 def _frame_range(ts: np.ndarray, opts: VideoOptions, item: Any, path: Any) -> tuple[int, int]:
-    """First/last frame index inside [video_start, video_end] using true timestamps."""
+    """First/last frame index inside [video_start, video_end] using true timestamps (one frame is enough)."""
     n = len(ts)
     if opts.video_start is None and opts.video_end is None:
         return 0, n - 1
@@ -230,9 +245,9 @@ def _frame_range(ts: np.ndarray, opts: VideoOptions, item: Any, path: Any) -> tu
     end = (
         n - 1 if opts.video_end is None else int(np.searchsorted(ts, opts.video_end + eps, side="right")) - 1
     )
-    if start >= n or end <= start:
+    if start >= n or end < start:
         raise KeyeInputError(
-            f"time range [{opts.video_start}, {opts.video_end}] s holds fewer than 2 frames of a "
+            f"time range [{opts.video_start}, {opts.video_end}] s holds no frame of a "
             f"{float(ts[-1]):.2f} s video",
             item=item,
             path=path,
@@ -250,16 +265,20 @@ def _preview_nframes(opts: VideoOptions, total: int, video_fps: float, item: Any
         n = total / video_fps * fps
         n = min(min(max(n, min_f), max_f), total)
         n = _floor_by(n, FRAME_FACTOR)
-    if n > total >= FRAME_FACTOR:
+    if total < FRAME_FACTOR:
+        # A clip shorter than one temporal patch is still a video: take what exists, and
+        # sample_frames repeats the last frame up to FRAME_FACTOR.
+        return total
+    if n > total:
         raise KeyeInputError(
             f"nframes={opts.nframes or n} exceeds the {total} frames in the clip / time range",
             item=item,
             path=path,
         )
-    if not (FRAME_FACTOR <= n <= total):
+    if n < FRAME_FACTOR:
         raise KeyeInputError(
-            f"clip shorter than one sample: {total} frame(s) in range, the preview sampler needs "
-            f"{FRAME_FACTOR} <= nframes <= {total} (got {n})",
+            f"the options give {n} frames (nframes={opts.nframes}, max_frames={opts.max_frames}); the preview "
+            f"needs at least {FRAME_FACTOR}",
             item=item,
             path=path,
         )
@@ -277,13 +296,9 @@ def _v15_nframes(
         if opts.max_frames is not None:
             max_frames = min(max_frames, int(opts.max_frames))
         n = min(int(seconds * fps), max_frames, total)
-    if n < 1:
-        raise KeyeInputError(
-            f"clip shorter than one sample: {seconds:.3f} s at {opts.fps or FPS} fps gives 0 frames",
-            item=item,
-            path=path,
-        )
-    return n
+    # keye-vl-utils 1.5.2 samples 0 frames from a clip shorter than 1/fps and then fails (IndexError);
+    # such a clip is still a video, so it gets its first frame.
+    return max(n, 1)
 
 
 def sample_frames(
@@ -298,9 +313,13 @@ def sample_frames(
 
     Preview: ``smart_nframes`` (§9.3: FRAME_FACTOR 2, 4..768 frames, fps 2); 1.5: ``int(seconds * fps)``
     capped by the budget's max frames (§10.2). Constant-rate files use the reference's
-    ``linspace(start, end, n).round()`` over indices; variable-rate files take, for each of ``n``
-    evenly spaced times, the frame shown at the nearest timestamp. Raises :class:`KeyeInputError` for an
-    empty video, a range with < 2 frames or a clip shorter than one sample.
+    ``torch.linspace(start, end, n).round()`` (float32) over indices; variable-rate files take, for each of ``n``
+    evenly spaced times, the frame shown at the nearest timestamp.
+
+    Short clips are valid: 1.5 takes at least one frame (a clip shorter than ``1/fps`` gives its first
+    frame), and the preview, whose frames pair up in temporal patches of ``FRAME_FACTOR`` = 2, takes every
+    frame of a one-frame clip and repeats the last index to fill the patch. Raises
+    :class:`KeyeInputError` for an empty video or a time range holding no frame.
     """
     ts = np.asarray(timestamps, dtype=np.float64)
     if len(ts) == 0:
@@ -319,13 +338,17 @@ def sample_frames(
     else:
         n = _v15_nframes(opts, total, video_fps, seconds, item, path)
     if cfr:
-        idx = np.linspace(start, end, n).round().astype(np.int64)
+        # torch's float32 linspace, as the reference: numpy's float64 one rounds some .5 ties the other way
+        # (linspace(0, 29, 15)[7] is 14.5 in float32 -> 14, 14.500000000000002 in float64 -> 15).
+        idx = torch.linspace(start, end, n).round().long().numpy()
     else:
         targets = np.linspace(ts[start], ts[end], n)
         right = np.clip(np.searchsorted(ts, targets), start, end)
         left = np.clip(right - 1, start, end)
         idx = np.where(np.abs(ts[left] - targets) <= np.abs(ts[right] - targets), left, right)
     sample_fps = n / total * range_fps
+    if variant == PREVIEW and n % FRAME_FACTOR:
+        idx = np.concatenate([idx, np.repeat(idx[-1:], FRAME_FACTOR - n % FRAME_FACTOR)])
     return VideoPlan([int(i) for i in idx], [float(ts[i]) for i in idx], float(sample_fps))
 
 
@@ -552,16 +575,28 @@ def decode_frames(
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Decode only ``indices`` of a probed video. Returns (uint8 ``[n, H, W, 3]`` RGB frames, their
     timestamps in s as the backend reports them, the backend used). Falls back to the next backend when
-    one fails; raises :class:`KeyeInputError` listing every failure if none succeeds."""
+    one fails, and then logs one warning (this module's logger) naming the file, the failed backend(s) and
+    their errors; raises :class:`KeyeInputError` listing every failure if none succeeds."""
     errors = []
     for name in choose_backends(backend):
         try:
             frames, times = _DECODERS[name](probe, indices)
             if frames.shape[0] != len(indices) or frames.ndim != 4:
                 raise KeyeInputError(f"{name} returned {frames.shape[0]} frames for {len(indices)} indices")
-            return np.ascontiguousarray(frames), times, name
         except Exception as err:  # each backend has its own error classes; all mean "try the next"
             errors.append(f"{name}: {err.__class__.__name__}: {err}")
+            continue
+        if errors:
+            # A silent fallback hides decoder bugs (decord fails on some small clips) and changes pixels
+            # slightly between backends, so say which backend failed and why.
+            logger.warning(
+                "%s: video backend %s failed, decoded with %s instead (%s)",
+                probe.path,
+                " and ".join(e.split(":", 1)[0] for e in errors),
+                name,
+                "; ".join(errors),
+            )
+        return np.ascontiguousarray(frames), times, name
     raise KeyeInputError("cannot decode video (" + "; ".join(errors) + ")", item=item, path=probe.path)
 
 
@@ -574,7 +609,10 @@ class DecodedVideo:
     """Sampled frames of one video item, ready for the image processor.
 
     ``frames``: uint8 ``[n, H, W, 3]`` (preview: already resized per §9.4; 1.5: original size);
-    ``timestamps`` (s) of the sampled frames or None (1.5 frame lists without ``fps``).
+    ``timestamps`` (s) of the sampled frames or None (1.5 frame lists without ``fps``); for constant-rate
+    sources these are keye-vl-utils' float32 ``(1 / fps) * index`` (the values whose ``.1f`` text goes
+    into the 1.5 prompt), for variable-rate files the decoder's true times. ``presized``: the frames
+    already have the item's ``resized_height``/``resized_width`` size (1.5 frame lists, as the reference).
     """
 
     frames: np.ndarray
@@ -585,6 +623,17 @@ class DecodedVideo:
     total_frames: int
     backend: str | None
     source: str
+    presized: bool = False
+
+
+def official_timestamps(indices: list[int], fps: float) -> list[float]:
+    """keye-vl-utils 1.5.2 frame times: ``float32((1 / fps) * i)`` for each index ``i``, as Python floats.
+
+    The 1.5 prompt writes ``format(t, ".1f")`` of these float32 values; float64 times differ at ties
+    (0.15 s is 0.1499... in float64 but 0.1500000060 in float32, so "0.1" against "0.2").
+    """
+    step = 1.0 / fps
+    return [float(np.float32(step * i)) for i in indices]
 
 
 def resize_bicubic_u8(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
@@ -626,7 +675,10 @@ def _frames_input(src: Any, opts: VideoOptions, variant: str, item: Any) -> Deco
                 opts.max_pixels or FETCH_MAX_PIXELS[PREVIEW],
             )
         else:
-            lo, hi = opts.min_pixels or opts.floor_pixels or VIDEO_MIN_PIXELS, opts.max_pixels or VIDEO_MAX_PIXELS
+            lo, hi = (
+                opts.min_pixels or opts.floor_pixels or VIDEO_MIN_PIXELS,
+                opts.max_pixels or VIDEO_MAX_PIXELS,
+            )
         frames = [
             np.asarray(
                 fetch_image(
@@ -654,9 +706,18 @@ def _frames_input(src: Any, opts: VideoOptions, variant: str, item: Any) -> Deco
         ts = [i / fps for i in idx]
         return DecodedVideo(np.stack([frames[i] for i in idx]), idx, ts, fps, fps, n, None, kind)
     plan = sample_frames(np.arange(n) / fps, fps, opts, V1_5, item)
-    ts = plan.timestamps if opts.fps is not None else None  # 1.5 writes timestamps only when fps is known
+    # 1.5 writes timestamps only when fps is known
+    ts = official_timestamps(plan.indices, fps) if opts.fps is not None else None
     return DecodedVideo(
-        np.stack([frames[i] for i in plan.indices]), plan.indices, ts, fps, fps, n, None, kind
+        np.stack([frames[i] for i in plan.indices]),
+        plan.indices,
+        ts,
+        fps,
+        fps,
+        n,
+        None,
+        kind,
+        presized=kind == "frames" and opts.resized_height is not None,
     )
 
 
@@ -692,10 +753,14 @@ def fetch_video(
     if variant == PREVIEW:
         size = preview_video_size(probe.height, probe.width, len(plan.indices), opts, item, src)
         frames = resize_bicubic_u8(frames, size)
+    if is_constant_rate(probe.timestamps):
+        stamps = official_timestamps(plan.indices, probe.fps)
+    else:
+        stamps = [float(t) for t in times]
     return DecodedVideo(
         frames,
         plan.indices,
-        [float(t) for t in times],
+        stamps,
         plan.sample_fps,
         probe.fps,
         probe.n_frames,

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keye.errors import KeyeInputError
 from keye.processing.slowfast import (
     FAST,
     SLOW,
@@ -95,20 +94,36 @@ def test_worked_examples_1080p():
     "n_slow,n_fast", [(1, 0), (5, 200), (64, 64), (300, 900), (700, 600), (1, 1364), (1200, 10)]
 )
 @pytest.mark.parametrize("hw", [(1080, 1920), (720, 1280), (480, 360), (2160, 3840), (300, 1000)])
-def test_budget_respected_and_tight(n_slow, n_fast, hw):
+def test_budget_search_stops_at_the_first_count_over_budget(n_slow, n_fast, hw):
+    # keye-vl-utils 1.5.2: the per-slow-frame count T is the smallest in [48, 768] whose estimate exceeds
+    # the 65,536-token budget (or 768 when none does); frames are then sized under T.
     total_tokens = 65536
     s = slowfast_sizes(n_slow, n_fast, *hw)
-    assert s.total_tokens <= total_tokens
-    assert s.slow_tokens <= s.budget_tokens and s.fast_tokens <= max(int(0.3 * s.slow_tokens), 48) + 0
-    # the chosen per-slow-frame budget is the largest that fits (or the 768 cap)
-    nxt = s.budget_tokens + 1
-    est_next = n_slow * nxt + n_fast * max(int(0.3 * nxt), 48)
-    assert s.budget_tokens == 768 or est_next > total_tokens
+
+    def est(t: int) -> int:
+        return n_slow * t + n_fast * max(int(0.3 * t), 48)
+
+    t = s.budget_tokens
+    assert t == 768 or est(t) > total_tokens
+    assert t == 48 or est(t - 1) <= total_tokens
+    assert s.slow_tokens <= t and s.fast_tokens <= max(int(0.3 * s.slow_tokens), 48)
 
 
-def test_budget_cannot_fit():
-    with pytest.raises(KeyeInputError, match="budget cannot fit"):
-        slowfast_sizes(10, 10, 720, 1280, total_pixels=100 * TOKEN_PIXELS)
+def test_budget_cannot_fit_uses_the_floor_size_and_warns(caplog):
+    # 20 frames of at least 48 tokens cannot fit 100 tokens; the reference still returns the floor sizes
+    with caplog.at_level("WARNING", logger="keye.processing.slowfast"):
+        s = slowfast_sizes(10, 10, 720, 1280, total_pixels=100 * TOKEN_PIXELS, item="video 3")
+    assert s.budget_tokens == 48 and s.slow_hw == (140, 252) and s.fast_hw == (140, 252)
+    assert s.slow_tokens == 45  # smart_resize floors 720x1280 under 48 * 784 pixels: 5 x 9 patches of 28
+    assert len(caplog.records) == 1 and "video 3" in caplog.text and "over the total budget" in caplog.text
+
+
+def test_fast_cap_ignores_the_items_min_pixels():
+    # 224x448 with min_pixels 50,000: slow stays 224x448 (128 tokens); the fast cap is
+    # max(int(0.3 * 128) * 784, 37,632) = 37,632 (the fixed floor, not the item's 50,000), and smart_resize
+    # checks the cap first: 100,352 > 37,632 -> floor(4.90) * 28 x floor(9.80) * 28 = 112 x 252.
+    s = slowfast_sizes(2, 6, 224, 448, min_pixels=50_000)
+    assert s.slow_hw == (224, 448) and s.fast_hw == (112, 252)
 
 
 def test_processor_v15_prompt_layout_and_pixels(tmp_path):
