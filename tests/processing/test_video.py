@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,3 +240,108 @@ def test_preview_frame_resize_equals_torchvision():
             torch.from_numpy(x).permute(0, 3, 1, 2), list(size), InterpolationMode.BICUBIC, antialias=True
         )
         np.testing.assert_array_equal(V.resize_bicubic_u8(x, size), ref.permute(0, 2, 3, 1).numpy())
+
+
+def test_fallback_logs_one_warning_naming_clip_backend_and_reason(clips, monkeypatch, caplog):
+    decord = pytest.importorskip("decord")
+    _need("decord")
+
+    def failing_get_batch(self, indices):
+        raise RuntimeError("simulated get_batch failure")
+
+    monkeypatch.setattr(decord.VideoReader, "get_batch", failing_get_batch)
+    path = str(clips["cfr"].path)
+    probe = probe_video(path)
+    with caplog.at_level(logging.WARNING, logger="keye.processing.video"):
+        frames, _, used = decode_frames(probe, [0, 10], "decord")
+    assert used == "pyav" and _indices_in_pixels(frames) == [0, 10]
+    records = [r for r in caplog.records if r.name == "keye.processing.video"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    message = records[0].getMessage()
+    assert path in message and "decord" in message and "simulated get_batch failure" in message
+    # a backend that works logs nothing
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="keye.processing.video"):
+        decode_frames(probe, [0, 10], "pyav")
+    assert not [r for r in caplog.records if r.name == "keye.processing.video"]
+
+
+def _one_video_message(path: str, **options) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": path, **options},
+                {"type": "text", "text": "What happens?"},
+            ],
+        }
+    ]
+
+
+@pytest.fixture(scope="module")
+def short_clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("short")
+    return {n: make_test_video(d / f"f{n}.mp4", n, fps=10, size=(56, 84)) for n in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def processors(tmp_path_factory):
+    from keye import KeyeProcessor
+    from keye.testing.processor import make_tiny_processor_dir
+
+    d = tmp_path_factory.mktemp("procs")
+    return {
+        v: KeyeProcessor.from_pretrained(make_tiny_processor_dir(d / v, variant=v))
+        for v in ("preview", "1.5")
+    }
+
+
+@pytest.mark.parametrize("n_frames", [1, 2, 3])  # 0.1 / 0.2 / 0.3 s: all shorter than one 2-fps step
+def test_short_clip_through_the_v15_processor(short_clips, processors, n_frames):
+    proc = processors["1.5"]
+    b = proc(_one_video_message(str(short_clips[n_frames].path), fps=2.0))
+    meta = b.video_meta[0]
+    # int(0.1 * n_frames s * 2 fps) = 0 samples: the first frame stands for the clip
+    assert meta.indices == [0] and meta.frame_types == ["slow"] and meta.timestamps == [0.0]
+    # 56x84 is below the 37,632-pixel floor: smart_resize scales it up to 168 x 252 -> grid 12 x 18
+    assert meta.frame_grids == [[1, 12, 18]] and b.video_grid_thw.tolist() == [[1, 12, 18]]
+    assert b.pixel_values_videos.shape == (12 * 18, 3, 14, 14)
+    ids = b.input_ids[0].tolist()
+    tid = proc.token_ids
+    run = [tid["<|frame|>"], *proc.tokenizer("0.0", add_special_tokens=False)["input_ids"]]
+    run += [tid["<|video_pad|>"]] * (12 * 18 // 4)
+    start = ids.index(tid["<|vision_start|>"])
+    assert ids[start + 1 : start + 1 + len(run) + 1] == run + [tid["<|vision_end|>"]]
+
+
+def test_one_frame_clip_through_the_preview_processor(short_clips, processors):
+    proc = processors["preview"]
+    b = proc(_one_video_message(str(short_clips[1].path)))
+    meta = b.video_meta[0]
+    # one frame fills the 2-frame temporal patch by repeating itself
+    assert meta.indices == [0, 0] and meta.timestamps == [0.0, 0.0]
+    t, h, w = b.video_grid_thw.tolist()[0]
+    assert t == 2 and b.pixel_values_videos.shape[0] == t * h * w
+    assert int((b.input_ids == proc.video_token_id).sum()) == t * h * w // 4 == meta.tokens
+    half = b.pixel_values_videos.shape[0] // 2
+    assert torch.equal(b.pixel_values_videos[:half], b.pixel_values_videos[half:])
+
+
+def test_single_frame_time_range_is_a_video(clips):
+    # [1.0, 1.05] s holds only frame 10 of the 10-fps clip
+    v = fetch_video(
+        str(clips["cfr"].path), VideoOptions(video_start=1.0, video_end=1.05), "1.5", backend="pyav"
+    )
+    assert v.indices == [10] and _indices_in_pixels(v.frames) == [10]
+    p = fetch_video(
+        str(clips["cfr"].path), VideoOptions(video_start=1.0, video_end=1.05), "preview", backend="pyav"
+    )
+    assert p.indices == [10, 10]
+
+
+def test_video_total_pixels_is_read_and_conflicts_are_named():
+    assert VideoOptions.from_item({"video_total_pixels": 1000}).total_pixels == 1000
+    assert VideoOptions.from_item({"video_total_pixels": 1000, "total_pixels": 1000}).total_pixels == 1000
+    with pytest.raises(KeyeInputError, match="video_total_pixels") as err:
+        VideoOptions.from_item({"video_total_pixels": 1000, "total_pixels": 2000}, item="video 2")
+    assert "video 2" in str(err.value)
