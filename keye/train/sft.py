@@ -399,7 +399,6 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
 
     model = wrapped.model
     official = {name: handle.get_tensor(name) for name, _, handle in iter_tensors(ckpt_dir / "model")}
-    state = model.state_dict() if not wrapped.strategy == "fsdp2" else None
     if lora:
         from safetensors.torch import load_file
 
@@ -420,7 +419,11 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
                 full[key] = official[key]
         _check_lora_base(ckpt_dir, merged_state_dict(model, full), official, base)
         official = full
-    if wrapped.strategy == "fsdp2":
+    if wrapped.is_deepspeed:
+        # engine.load_checkpoint below restores the weights from DeepSpeed's own (fp32 master) state; under
+        # ZeRO-3 the module's parameters are partitioned, so a full-tensor copy would not even fit.
+        pass
+    elif wrapped.strategy == "fsdp2":
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -430,7 +433,7 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
         set_model_state_dict(model, official, options=StateDictOptions(full_state_dict=True))
     else:
         with torch.no_grad():
-            for k, v in state.items():
+            for k, v in model.state_dict().items():
                 v.copy_(official[k])
     blob = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
     if wrapped.is_deepspeed:

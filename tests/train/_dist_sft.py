@@ -2,7 +2,9 @@
 
 Args: ``OUT_DIR STRATEGY [key=value ...] [-- OUT_DIR STRATEGY [key=value ...] ...]``: each ``--``-separated
 job runs in turn in the same process group, so one torchrun launch (and one DeepSpeed import) serves
-several runs. Each run's summary.json and final/ export are what the tests compare."""
+several runs. ``stop_after=N`` among a job's arguments stops it after N steps without the final save (a
+simulated crash; the next job on the same OUT_DIR resumes). Each run's summary.json and final/ export are
+what the tests compare."""
 
 import sys
 
@@ -24,8 +26,10 @@ def _jobs(argv: list[str]) -> list[list[str]]:
 if __name__ == "__main__":
     try:
         for out_dir, strategy, *overrides in _jobs(sys.argv[1:]):
+            stop = [int(o.split("=", 1)[1]) for o in overrides if o.startswith("stop_after=")]
+            overrides = [o for o in overrides if not o.startswith("stop_after=")]
             cfg = load_config(SFTConfig, None, [f"checkpoint.out_dir={out_dir}", f"train.strategy={strategy}",
                                                 *overrides])
-            train(cfg)
+            train(cfg, stop_after=stop[-1] if stop else None)
     finally:
         kdist.cleanup()

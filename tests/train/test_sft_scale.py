@@ -126,3 +126,21 @@ def test_lora_bf16_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tm
     shutil.copytree(a, tmp_path / "c" / a.name)
     with pytest.raises(KeyeConfigError, match="not trained from this model.path"):
         train(_lora_bf16(other, synth_set, tmp_path / "c", "train.max_steps=4"))
+
+
+@pytest.mark.slow
+def test_deepspeed_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tmp_path):
+    """Two processes, 2 micro-batches each, ZeRO-2 and ZeRO-3 (one torchrun launch): a run stopped after its
+    step-2 checkpoint and resumed from it ends as the uninterrupted run (losses and parameters)."""
+    args = ("train.max_steps=3", "data.micro_batches=2", "checkpoint.save_every=2", "checkpoint.keep_last=1")
+    jobs = []
+    for s in ("zero2", "zero3"):
+        jobs += [(tmp_path / s / "a", s, args), (tmp_path / s / "b", s, (*args, "stop_after=2")),
+                 (tmp_path / s / "b", s, args)]
+    summaries = _torchrun(2, jobs, tiny_ckpt, synth_set)
+    for k, s in enumerate(("zero2", "zero3")):
+        full, _, resumed = summaries[3 * k : 3 * k + 3]
+        assert full["finished"] and resumed["finished"] and resumed["steps"] == 3, s
+        assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6), s
+        a, b = _params(tmp_path / s / "a"), _params(tmp_path / s / "b")
+        assert all(torch.equal(a[n], b[n]) for n in a), s
