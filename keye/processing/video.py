@@ -11,7 +11,9 @@ Decoding is split in two steps so only the sampled frames are ever decoded:
 Backends: ``"pyav"`` (always present), ``"decord"`` (pip ``decord2``) and ``"torchcodec"`` when they import.
 The choice is the ``backend`` argument, else the ``KEYE_VIDEO_BACKEND`` environment variable, else the
 first usable of pyav, decord, torchcodec (PyAV first: always installed, and the fastest seek path in
-``benchmarks/video.py``); when a backend fails the next usable one is tried.
+``benchmarks/video.py``); when a backend fails the next usable one is tried, with one logged warning.
+Clips shorter than one sampling step are valid videos (see :func:`sample_frames`); ``docs/video.md``
+describes the whole procedure for users.
 """
 
 from __future__ import annotations
