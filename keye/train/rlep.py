@@ -395,6 +395,13 @@ def _placeholder_ids(core: Any) -> list[int]:
     return [int(getattr(core.config, k)) for k in ("image_token_id", "video_token_id") if getattr(core.config, k, None) is not None]
 
 
+def _loss_token_count(samples: Sequence[RolloutSample], placeholders: list[int]) -> int:
+    """This rank's tokens of ``samples`` that enter the loss (response tokens minus sampled vision
+    placeholder ids), as both accumulation paths count them."""
+    excl = torch.tensor(placeholders, dtype=torch.long)
+    return sum(int((~torch.isin(s.response_ids[: s.num_tokens], excl)).sum()) for s in samples if s.num_tokens > 0)
+
+
 def _tree_ok(group: Sequence[RolloutSample], placeholders: list[int]) -> bool:
     """A group can be shared unless a response sampled a vision placeholder id (those decode as text, which
     the tree's vision bookkeeping cannot express; such groups take the padded path)."""
@@ -743,6 +750,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     mix = ModeMix.from_config(a.mode_mix)
     loss_kwargs = policy_loss_kwargs(cfg)
     per_rank = cfg.data.prompts_per_step // info.world_size
+    placeholders = _placeholder_ids(model)
 
     def evaluate(step: int) -> None:
         if not eval_prompts:
@@ -857,6 +865,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                     st = accumulate_policy_gradients(model, chosen, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
                                                      temperature=r.temperature, loss_kwargs=loss_kwargs,
                                                      with_entropy=True)
+                st["local_tokens"] = float(_loss_token_count(chosen, placeholders))
                 if not st["tokens"]:
                     # no rank has a loss token: an AdamW step on zero gradients would still move the weights
                     # (momentum, weight decay) and advance its step count. st["tokens"] is the all-rank count
@@ -973,7 +982,9 @@ def _filter(prompts: list[RLPrompt], engine: Any, scorer: RewardScorer, cfg: RLE
 def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str, float]],
                   device: torch.device) -> dict[str, float]:
     """Global (all-rank) step metrics: reward mean and per part, pass rate, replay share, response
-    length of the fresh rollouts, and token-weighted update stats."""
+    length of the fresh rollouts, and update stats: per update the mean over every rank's loss tokens
+    (each rank's stats weighted by its ``local_tokens``, so a rank without tokens adds nothing), then the
+    mean over the step's updates (every rank holds the same updates in the same order)."""
     fresh = [s for s in samples if s.source == "rollout"]
     valid = [s for s in samples if s.valid]
     sums: dict[str, float] = {
@@ -994,11 +1005,13 @@ def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str,
     stat_keys = ("clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl", "entropy", "kl",
                  "ratio_mean")
     n_upd = float(len(update_stats))
-    for k in stat_keys:
-        sums[f"stat/{k}"] = sum(st.get(k, 0.0) for st in update_stats)
+    for i, st in enumerate(update_stats):
+        w = st["local_tokens"]
+        sums[f"stat_w/{i}"] = w
+        for k in stat_keys:
+            sums[f"stat/{k}/{i}"] = st.get(k, 0.0) * w
     sums["stat/has_kl"] = float(any("kl" in st for st in update_stats))
     g = _reduce_sums(sums, device)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     # every rank runs the same number of updates; the global loss of an update is the sum of the rank shares
     losses = [st.get("loss", 0.0) for st in update_stats]
     loss_sum = _reduce_sums({"loss": sum(losses)}, device)["loss"]
@@ -1018,7 +1031,8 @@ def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str,
     for k in stat_keys:
         if k == "kl" and not g["stat/has_kl"]:
             continue
-        row[k] = g[f"stat/{k}"] / max(n_upd * world, 1.0)
+        per_update = [g[f"stat/{k}/{i}"] / g[f"stat_w/{i}"] for i in range(len(update_stats)) if g[f"stat_w/{i}"]]
+        row[k] = _mean(per_update)
     return row
 
 

@@ -5,6 +5,7 @@ driven through the real :class:`keye.rl.VLLMRollout`."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,10 +85,10 @@ def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ck
     assert any(k.endswith("/exp_avg") and s1[k].abs().sum() > 0 for k in s1)  # step 1 did build momentum
 
 
-def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str,
+def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
               env: dict[str, str] | None = None) -> dict[int, float]:
-    """One 2-process gloo run of ``_dist_rlep.py``; returns each rank's parameter checksum."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+    """One gloo run of ``_dist_rlep.py`` on ``nproc`` processes; returns each rank's parameter checksum."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(REPO / "tests/train/_dist_rlep.py"), str(out), f"model.path={tiny_ckpt}",
            f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4",
            f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2", "log.progress=false",
@@ -95,7 +96,11 @@ def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING", **(env or {})},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in (0, 1)}
+    return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in range(nproc)}
+
+
+def _step_rows(out: Path) -> list[dict[str, float]]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 @pytest.mark.slow
@@ -110,12 +115,27 @@ def test_two_processes_padded_empty_mini_batches_do_not_step(tiny_ckpt, rl_set, 
 
 
 @pytest.mark.slow
-def test_two_processes_one_rank_without_tokens_still_steps_on_both(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
-    """Rank 1 samples only placeholder ids (no loss token), rank 0 ordinary text: the skip decision is taken
-    on the all-rank token count, so both ranks step (no deadlock, no divergence) and stay identical."""
-    sums = _torchrun(tiny_ckpt, rl_set, tmp_path / "half", "rollout.engine=vllm", "replay.M=0",
-                     "train.weight_decay=0.1", env={"FAKE_VLLM_PLACEHOLDER_RANKS": "1"})
-    assert sums[0] == sums[1]
+def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """Rank 1 samples only placeholder ids (no loss token), rank 0 ordinary text. The skip decision is taken
+    on the all-rank token count, so both ranks step (no deadlock, no divergence); the update is rank 0's
+    alone, so the run equals one process fed rank 0's prompts (same step seeds and engine seeds for rank 0),
+    weights and token-weighted update metrics included: an empty rank must not dilute entropy or clip
+    fractions."""
+    rows = rl_set["train"].read_text().splitlines(keepends=True)
+    root = rl_set["train"].parent  # media paths in the rows are relative to the manifest's folder
+    both, alone = root / "scale_both.jsonl", root / "scale_rank0.jsonl"
+    both.write_text("".join(rows[:4]))
+    alone.write_text(rows[0] + rows[2])  # without shuffling rank 0 of 2 reads prompts 0, 2, ...
+    common = ("rollout.engine=vllm", "replay.M=0", "train.weight_decay=0.1", "data.shuffle=false")
+    two = _torchrun(tiny_ckpt, rl_set, tmp_path / "two", *common, f"data.manifest={both}",
+                    env={"FAKE_VLLM_PLACEHOLDER_RANKS": "1"})
+    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "one", *common, f"data.manifest={alone}",
+                    "data.prompts_per_step=1", nproc=1)
     with torch.no_grad():
         start = float(sum(p.double().sum() for p in KeyeVL.from_pretrained(tiny_ckpt).parameters()))
-    assert sums[0] != start  # both replicas trained on rank 0's tokens
+    assert two[0] == two[1] == one[0] != start
+    r2, r1 = _step_rows(tmp_path / "two"), _step_rows(tmp_path / "one")
+    assert len(r2) == len(r1) == 2 and all(r["entropy"] > 0 for r in r1)
+    for a, b in zip(r2, r1):
+        for key in ("loss", "entropy", "clip_frac", "approx_kl", "ratio_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
