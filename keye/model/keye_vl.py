@@ -8,6 +8,8 @@ unchanged and ``save_pretrained`` output loads back in the official code and in 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -105,6 +107,12 @@ def _check_decoding_args(kwargs: dict[str, Any]) -> None:
         value = kwargs.get(name)
         if value is not None and not ok(value):
             raise ValueError(f"{name} {rule}, got {value}")
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    """Names of the keyword arguments ``cls.forward`` accepts."""
+    return frozenset(inspect.signature(cls.forward).parameters) - {"self"}
 
 
 def cache_length(cache: Cache | KVCache | None) -> int:
@@ -594,7 +602,10 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         if not is_first_iteration and cache_length(cache) > 0:
             for key in _VISION_KWARGS:
                 inputs.pop(key, None)
-        return inputs
+        # generate() routes its mode arguments (e.g. stop_strings' tokenizer) through the model kwargs;
+        # the user's own model kwargs were validated against forward() before decoding started.
+        accepted = _forward_parameters(type(self))
+        return {k: v for k, v in inputs.items() if k in accepted}
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """Repeat every prompt ``expand_size`` times (beam search, ``num_return_sequences``) together with
