@@ -130,6 +130,10 @@ def test_two_process_run_matches_one_process(strategy, tiny_ckpt, synth_set, tmp
     two = _torchrun(tmp_path / strategy, strategy, tiny_ckpt, synth_set, "train.max_steps=4", "data.micro_batches=1")
     assert two["world_size"] == 2 and two["strategy"] == strategy
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-5)
+    # The logged gradient norm is the global one (FSDP2: over all shards), as the single process sees it.
+    norms = [[json.loads(x)["grad_norm"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+             for d in ("one", strategy)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -51,6 +51,10 @@ def _torchrun(nproc: int, jobs: list[tuple[Path, str, tuple[str, ...]]], tiny_ck
     return [json.loads((out / "summary.json").read_text()) for out, _, _ in jobs]
 
 
+def _grad_norms(run: Path) -> list[float]:
+    return [json.loads(line)["grad_norm"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def _params(run: Path) -> dict[str, torch.Tensor]:
     return {name: handle.get_tensor(name) for name, _, handle in iter_tensors(run / "final")}
 
@@ -90,6 +94,8 @@ def test_deepspeed_zero_micro_batches_match_plain_run(nproc, tiny_ckpt, synth_se
     for strategy, run in zip(("zero2", "zero3"), runs):
         assert run["strategy"] == strategy and run["world_size"] == nproc and run["steps"] == 3
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), strategy
+        # The logged norm is the global one before clipping, as clip_grad_norm_ reports it (> 1 here: clipped).
+        assert _grad_norms(tmp_path / strategy) == pytest.approx(_grad_norms(tmp_path / "plain"), rel=1e-4), strategy
         _assert_params_close(_params(tmp_path / strategy), want, base)
 
 
