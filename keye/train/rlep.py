@@ -878,6 +878,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 update_stats.append(st)
+        lr_used = scheduler.get_last_lr()[0]  # before the scheduler moves on to the next step's rate
         scheduler.step()
         if isinstance(engine, VLLMRollout):
             engine.sync_weights(model.state_dict(), version=step)  # the next rollouts sample the updated policy
@@ -890,7 +891,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         row["pool/added"] = float(pool_added)
         row["grad_norm"] = _mean(grad_norms)
         row["updates_skipped"] = float(skipped)
-        row["lr"] = scheduler.get_last_lr()[0]
+        row["lr"] = lr_used
         dt = time.time() - t0
         step_tokens = row.pop("_tokens")
         row["tokens_per_s"] = step_tokens / max(dt, 1e-9)

@@ -139,3 +139,11 @@ def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ck
     for a, b in zip(r2, r1):
         for key in ("loss", "entropy", "clip_frac", "approx_kl", "ratio_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+
+
+def test_logged_learning_rate_is_the_one_each_step_used(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """With a 2-step warmup step 1 updates at lr/2 and step 2 at lr (``lr_lambda``); the metrics row of a
+    step reports the rate its updates used, not the next step's (the scheduler advances after the update)."""
+    out = tmp_path / "warm"
+    train(_cfg(tiny_ckpt, rl_set, out, "train.steps=2", "train.warmup_steps=2", "train.lr=1e-3", "replay.M=0"))
+    assert [r["lr"] for r in _step_rows(out)] == pytest.approx([5e-4, 1e-3], rel=1e-12)
