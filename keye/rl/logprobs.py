@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from keye.errors import KeyeInputError
@@ -51,16 +52,156 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def _chunk_stats(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias, temperature: float, entropy: bool):
-    logits = torch.nn.functional.linear(h, weight, bias).float()
+DEFAULT_CHUNK_TOKENS = 512
+"""Predicting positions per log-softmax chunk: at a 151,936-token vocabulary one chunk's fp32 logits are
+~300 MB, and a few such buffers are alive at once (logits, probabilities, their gradient)."""
+
+
+def _chunk_stats(h: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, head, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(h).float()
     if temperature != 1.0:
         logits = logits / temperature
-    lse = logits.logsumexp(dim=-1)
-    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - lse
-    if not entropy:
-        return logp, torch.zeros_like(logp)
-    probs = (logits - lse[:, None]).exp()
-    return logp, lse - (probs * logits).sum(dim=-1)
+    logsm = logits.log_softmax(dim=-1)
+    logp = logsm[rows, labels]
+    if not with_entropy:
+        return logp, logsm.new_zeros(logsm.shape[0])
+    # -sum p log p rather than lse - sum p z: no cancellation between two large terms
+    return logp, -(logsm.exp() * logsm).sum(dim=-1)
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    z = F.linear(h, weight, bias).float()  # a fresh tensor, so the in-place ops below touch nothing else
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``lm_head`` + log-softmax + entropy over row chunks with a hand-written backward.
+
+    Per chunk the forward keeps only the log-sum-exp and entropy of each row; the backward recomputes the
+    chunk's logits ``z`` (``p = softmax(z)``, ``H = -sum p log p``) and forms the logit gradient in place:
+    ``d logp[y] / dz = onehot(y) - p`` and ``dH / dz = -p * (log p + H)``, divided by the temperature, then
+    accumulates ``dW += g^T h`` into one buffer. At most two [chunk, vocab] float32 buffers are alive.
+    Inputs: ``s_rows`` / ``s_labels`` sorted by row, ``bounds[c]:bounds[c + 1]`` the pairs of chunk c.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, s_rows, s_labels, bounds, size, temperature, with_entropy):
+        m = hidden.shape[0]
+        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros(m, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(s_rows.numel(), dtype=torch.float32, device=hidden.device)
+        for c, start in enumerate(range(0, m, size)):
+            z = _logits(hidden[start : start + size], weight, bias, temperature)
+            lse[start : start + size] = z.logsumexp(dim=-1)
+            z.sub_(lse[start : start + size, None])  # z now holds log p
+            lo, hi = bounds[c], bounds[c + 1]
+            logp[lo:hi] = z[s_rows[lo:hi] - start, s_labels[lo:hi]]
+            if with_entropy:
+                ent[start : start + size] = -z.exp().mul_(z).sum(dim=-1)
+            del z
+        ctx.save_for_backward(hidden, weight, bias, s_rows, s_labels, lse, ent)
+        ctx.bounds, ctx.size, ctx.temperature, ctx.with_entropy = bounds, size, temperature, with_entropy
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, s_rows, s_labels, lse, ent = ctx.saved_tensors
+        size, temperature = ctx.size, ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
+        if g_lp is None:
+            g_lp = lse.new_zeros(s_rows.numel())
+        for c, start in enumerate(range(0, hidden.shape[0], size)):
+            h = hidden[start : start + size]
+            n = h.shape[0]
+            g = _logits(h, weight, bias, temperature).sub_(lse[start : start + size, None])  # log p
+            p = g.exp()
+            if ctx.with_entropy and g_ent is not None:
+                g.add_(ent[start : start + size, None]).mul_(p).mul_(-g_ent[start : start + size, None])
+            else:
+                g.zero_()
+            lo, hi = ctx.bounds[c], ctx.bounds[c + 1]
+            local, gl = s_rows[lo:hi] - start, g_lp[lo:hi].float()
+            per_row = torch.zeros(n, dtype=torch.float32, device=g.device).index_add_(0, local, gl)
+            g.sub_(p.mul_(per_row[:, None]))
+            del p
+            g.index_put_((local, s_labels[lo:hi]), gl, accumulate=True)
+            if temperature != 1.0:
+                g.div_(temperature)
+            g = g.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[start : start + n] = g @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h)
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)
+            del g
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    labels: torch.Tensor,
+    head: torch.nn.Module,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``log softmax(head(hidden[rows[k]]) / T)[labels[k]]`` and per-row entropies, computed
+    ``chunk_size`` hidden rows at a time so that no ``[rows, vocab]`` tensor of the whole input exists.
+
+    Nothing of vocabulary width is kept for the backward: it recomputes each chunk's logits. For an
+    ``nn.Linear`` head this is one fused autograd function (:class:`_LinearLogprobs`: two [chunk, vocab]
+    buffers at a time, the weight gradient accumulated in place); any other head runs each chunk under
+    :func:`torch.utils.checkpoint.checkpoint`. Values and gradients equal the full computation up to
+    float32 rounding (tested to 1e-5).
+
+    Args:
+        hidden: [M, D] predicting positions (any dtype; logits are taken in float32 after ``head``).
+        rows: int [K] row of ``hidden`` predicting target k (rows may repeat, as in a prefix tree where
+            one token predicts several children, or be absent). labels: int [K] target token ids.
+        head: the output projection (``lm_head``), called on [c, D] slices.
+        chunk_size: rows of ``hidden`` per chunk; None computes all rows at once.
+    Returns:
+        ``(logp, entropy)``: float32 [K] in the order of ``rows``; float32 [M] entropy of each row's tempered
+        distribution, or None without ``with_entropy``.
+    """
+    if chunk_size is not None and chunk_size < 1:
+        raise KeyeInputError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if rows.dim() != 1 or rows.shape != labels.shape:
+        raise KeyeInputError(f"rows and labels must both be [K], got {tuple(rows.shape)} and {tuple(labels.shape)}")
+    m = hidden.shape[0]
+    rows, labels = rows.to(hidden.device).long(), labels.to(hidden.device).long()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= m):
+        raise KeyeInputError(f"rows must index the {m} hidden rows, got values in [{int(rows.min())}, {int(rows.max())}]")
+    if m == 0:  # no predicting rows (so no targets either)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
+    size = m if chunk_size is None else chunk_size
+    # pairs sorted by row, so each chunk's targets are one contiguous slice
+    order = torch.argsort(rows, stable=True)
+    s_rows, s_labels = rows[order], labels[order]
+    bounds = torch.searchsorted(s_rows, torch.arange(0, m + size, size, device=rows.device).clamp(max=m)).tolist()
+    if type(head) is torch.nn.Linear:
+        logp, ent = _LinearLogprobs.apply(hidden, head.weight, head.bias, s_rows, s_labels, bounds, size,
+                                          float(temperature), with_entropy)
+        return logp[torch.argsort(order)], (ent if with_entropy else None)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    pieces_lp, pieces_ent = [], []
+    for c, h in enumerate(hidden.split(size)):
+        lo, hi = bounds[c], bounds[c + 1]
+        local = s_rows[lo:hi] - c * size
+        args = (h, local, s_labels[lo:hi], head, temperature, with_entropy)
+        lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        pieces_lp.append(lp)
+        pieces_ent.append(ent)
+    logp = torch.cat(pieces_lp)[torch.argsort(order)]
+    return logp, (torch.cat(pieces_ent) if with_entropy else None)
 
 
 def _stray_placeholders(core, responses: torch.Tensor, resp_att: torch.Tensor) -> torch.Tensor | None:
@@ -100,7 +241,7 @@ def token_logprobs(
     response_attention: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
-    chunk_size: int | None = 1024,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
 ) -> LogprobOutput:
     """Log-probs of ``responses`` given the prompt ``batch``, one forward, gradients kept if enabled.
@@ -113,9 +254,10 @@ def token_logprobs(
         response_attention: bool/int [B, N], 1 on real response tokens (first EOS included); default all.
         temperature: the sampling temperature of the rollout (logits are divided by it, as the
             sampling distribution was).
-        chunk_size: response positions per log-softmax chunk (memory ~ chunk * vocab floats; with
-            gradients each chunk is recomputed in backward). None takes the forward's logits directly
-            (needed when ``lm_head`` cannot be called outside the forward, e.g. FSDP-sharded).
+        chunk_size: attended response positions per log-softmax chunk (memory ~ chunk * vocab floats; with
+            gradients each chunk is recomputed in backward, see :func:`chunked_token_logprobs`). None takes
+            the forward's full logits (needed when ``lm_head`` cannot be called outside the forward, e.g.
+            FSDP-sharded; materialises [B, N, vocab] float32).
         with_entropy: also return per-token entropy of the tempered distribution.
     Returns:
         :class:`LogprobOutput` (values at unattended response positions are 0).
@@ -153,35 +295,26 @@ def token_logprobs(
     stray = _stray_placeholders(core, responses.to(device), resp_att.to(device))
     if stray is not None:
         fwd = _text_placeholder_inputs(core, ids, att, prompt_len, stray, vision)
+    keep = resp_att.to(device).bool()
     if chunk_size is None:
         out = model(logits_to_keep=n + 1, **fwd)
         logits = out.logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
-        lse = logits.logsumexp(dim=-1)
-        logp = logits.gather(-1, labels[..., None]).squeeze(-1) - lse
-        ent = None
-        if with_entropy:
-            ent = lse - (logits.softmax(dim=-1) * logits).sum(dim=-1)
+        logsm = logits.log_softmax(dim=-1)
+        logp = logsm.gather(-1, labels[..., None]).squeeze(-1)
+        ent = -(logsm.exp() * logsm).sum(dim=-1) if with_entropy else None
     else:
         if chunk_size < 1:
             raise KeyeInputError(f"chunk_size must be >= 1 or None, got {chunk_size}")
         out = model(logits_to_keep=1, output_hidden_states=True, **fwd)
-        hidden = out.hidden_states[:, prompt_len - 1 : prompt_len + n - 1].reshape(b * n, -1)
-        flat_labels = labels.reshape(-1)
-        weight, bias = core.lm_head.weight, core.lm_head.bias
-        pieces_lp, pieces_ent = [], []
-        for s in range(0, b * n, chunk_size):
-            h, y = hidden[s : s + chunk_size], flat_labels[s : s + chunk_size]
-            if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-                lp, en = checkpoint(_chunk_stats, h, y, weight, bias, temperature, with_entropy, use_reentrant=False)
-            else:
-                lp, en = _chunk_stats(h, y, weight, bias, temperature, with_entropy)
-            pieces_lp.append(lp)
-            pieces_ent.append(en)
-        logp = torch.cat(pieces_lp).view(b, n)
-        ent = torch.cat(pieces_ent).view(b, n) if with_entropy else None
-    keep = resp_att.to(device).bool()
+        # only attended response positions: padding after the EOS costs no vocabulary-wide work
+        hidden = out.hidden_states[:, prompt_len - 1 : prompt_len + n - 1][keep]
+        k = hidden.shape[0]
+        lp, en = chunked_token_logprobs(hidden, torch.arange(k, device=device), labels[keep], core.lm_head,
+                                        temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+        logp = torch.zeros(b, n, device=device, dtype=lp.dtype).masked_scatter(keep, lp)
+        ent = torch.zeros(b, n, device=device, dtype=lp.dtype).masked_scatter(keep, en) if with_entropy else None
     logp = torch.where(keep, logp, torch.zeros_like(logp))
     if ent is not None:
         ent = torch.where(keep, ent, torch.zeros_like(ent))

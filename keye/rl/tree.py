@@ -71,6 +71,7 @@ import torch.nn.functional as F
 
 from keye.errors import KeyeInputError
 from keye.model.rope import get_rope_index
+from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 
 __all__ = [
     "VisionInputs",
@@ -553,21 +554,18 @@ def _gather_logprobs(
     target_ids: torch.Tensor,
     temperature: float,
     entropy: bool,
+    chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target | hidden[pred]) with each distinct predicting position computed once.
+    """log p(target | hidden[pred]) with each distinct predicting position computed once, in chunks.
 
-    hidden: [N, D]; pred, target_ids: int [K]. Returns logp [K] (float32) and entropy [K] or None.
+    hidden: [N, D]; pred, target_ids: int [K]. Returns logp [K] (float32) and entropy [K] or None. The
+    vocabulary-wide work runs ``chunk_size`` distinct positions at a time, recomputed in the backward
+    (:func:`keye.rl.logprobs.chunked_token_logprobs`), so no [K, vocab] tensor is kept.
     """
     uniq, inv = torch.unique(pred, return_inverse=True)
-    logits = model.lm_head(hidden.index_select(0, uniq)).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logsm = F.log_softmax(logits, dim=-1)
-    logp = logsm[inv, target_ids]
-    ent = None
-    if entropy:
-        ent = -(logsm.exp() * logsm).sum(-1)[inv]
-    return logp, ent
+    logp, ent = chunked_token_logprobs(hidden.index_select(0, uniq), inv, target_ids, model.lm_head,
+                                       temperature=temperature, with_entropy=entropy, chunk_size=chunk_size)
+    return logp, (ent[inv] if entropy else None)
 
 
 def tree_logprobs(
@@ -577,6 +575,7 @@ def tree_logprobs(
     kernel: str = "efficient",
     temperature: float = 1.0,
     entropy: bool = False,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-branch log-probs of the loss tokens from ONE forward over the tree (vision tower once).
 
@@ -587,6 +586,8 @@ def tree_logprobs(
             :class:`keye.rl.tree_attention.TreeAttention`) or ``"reference"`` (dense tree mask + SDPA).
         temperature: logits are divided by it before the softmax (the rollout temperature).
         entropy: also return the entropy of each predicted distribution.
+        chunk_size: distinct predicting positions per log-softmax chunk (see
+            :func:`keye.rl.logprobs.chunked_token_logprobs`; None: all at once).
     Returns:
         ``(logp, mask)`` or ``(logp, mask, entropy)``: logp float32 [B, T], row b = log-probs of branch
         b's loss tokens in order (0 where ``mask`` is False); mask bool [B, T]; entropy float32 [B, T].
@@ -617,7 +618,7 @@ def tree_logprobs(
     mask = tree.loss_mask
     flat_pred = tree.pred_index[mask]
     flat_tgt = tree.input_ids[0, tree.target_index[mask]]
-    logp_flat, ent_flat = _gather_logprobs(model, hidden, flat_pred, flat_tgt, temperature, entropy)
+    logp_flat, ent_flat = _gather_logprobs(model, hidden, flat_pred, flat_tgt, temperature, entropy, chunk_size)
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, logp_flat)
     if not entropy:
         return logp, mask
@@ -633,12 +634,14 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     entropy: bool = False,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unshared reference: each sequence runs alone (its own vision tower pass and positions).
 
     Args:
         sequences / loss_masks: as for :func:`build_tree`.
         visions: per-sequence pixel inputs (None entries for text-only sequences).
+        temperature / entropy / chunk_size: as for :func:`tree_logprobs`.
     Returns:
         Same layout as :func:`tree_logprobs` (row b = sequence b's loss tokens).
     """
@@ -665,7 +668,7 @@ def sequence_logprobs(
         out = model(ids, output_hidden_states=True, logits_to_keep=1, **vis.as_kwargs())
         tgt_pos = torch.nonzero(mk, as_tuple=False).reshape(-1).to(device)
         logp, ent = _gather_logprobs(
-            model, out.hidden_states[0], tgt_pos - 1, ids[0, tgt_pos], temperature, entropy
+            model, out.hidden_states[0], tgt_pos - 1, ids[0, tgt_pos], temperature, entropy, chunk_size
         )
         rows.append(F.pad(logp, (0, t_max - logp.numel())))
         if entropy:
@@ -686,6 +689,7 @@ def branch_logprobs(
     *,
     temperature: float = 1.0,
     entropy: bool = False,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unshared reference for a group: prompt + response b runs as its own sequence, G times.
 
@@ -697,5 +701,5 @@ def branch_logprobs(
     seqs = [prompt + r for r in resp]
     masks = [[False] * len(prompt) + [True] * len(r) for r in resp]
     return sequence_logprobs(
-        model, seqs, masks, [vision] * len(seqs), temperature=temperature, entropy=entropy
+        model, seqs, masks, [vision] * len(seqs), temperature=temperature, entropy=entropy, chunk_size=chunk_size
     )

@@ -24,7 +24,7 @@ import torch
 
 from keye.errors import KeyeInputError
 from keye.rl.advantages import DifficultyCurve, difficulty_reshape, group_advantages
-from keye.rl.logprobs import token_logprobs
+from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from keye.rl.losses import policy_loss
 from keye.rl.rollout import RolloutSample, collate_samples
 
@@ -88,7 +88,7 @@ def fill_logprobs(
     micro_batch_size: int = 8,
     temperature: float = 1.0,
     target: str = "old_logp",
-    chunk_size: int | None = 1024,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> None:
     """Compute log-probs of every valid sample's response with ``model`` and store them in
     ``sample.old_logp`` (behaviour policy = the current actor, replayed samples included, as RLEP does) or
@@ -126,7 +126,7 @@ def accumulate_policy_gradients(
     temperature: float = 1.0,
     loss_kwargs: Mapping[str, Any] | None = None,
     exclude_ids: Sequence[int] = (),
-    chunk_size: int | None = 1024,
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
 ) -> dict[str, float]:
     """Forward/backward one PPO mini-batch (this rank's share), micro-batch by micro-batch.
