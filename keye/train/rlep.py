@@ -536,9 +536,16 @@ def tree_accumulate(core: Any, samples: Sequence[RolloutSample], *, pad_id: int,
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
-    """Data parallelism: sum every trainable gradient over ranks and divide by the world size (missing
-    gradients count as zeros, so every rank applies the same update)."""
-    if world == 1:
+    """Data parallelism: sum every trainable gradient over ranks and divide by the world size. A gradient
+    missing on some ranks counts as zeros there, so every rank applies the same update; one missing on
+    every rank stays None (as in one process and in DDP: AdamW then leaves the parameter, its moments and
+    its weight decay alone instead of stepping on a zero gradient)."""
+    if world == 1 or not params:
+        return
+    has = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    torch.distributed.all_reduce(has)
+    params = [p for p, n in zip(params, has.tolist()) if n > 0]
+    if not params:
         return
     for p in params:
         if p.grad is None:

@@ -147,3 +147,23 @@ def test_logged_learning_rate_is_the_one_each_step_used(tiny_ckpt, rl_set, tmp_p
     out = tmp_path / "warm"
     train(_cfg(tiny_ckpt, rl_set, out, "train.steps=2", "train.warmup_steps=2", "train.lr=1e-3", "replay.M=0"))
     assert [r["lr"] for r in _step_rows(out)] == pytest.approx([5e-4, 1e-3], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_two_processes_leave_parameters_without_gradient_alone(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """Text-only prompts never reach the vision tower or the projector, so no rank has a gradient for
+    them: as in one process (AdamW skips a parameter whose gradient is None) their weights must stay put.
+    Zero-filling the missing gradients before the all-reduce let weight decay shrink them every step."""
+    manifest = tmp_path / "text.jsonl"
+    manifest.write_text("".join(json.dumps({"id": f"t{i}", "answer": str(i), "answer_kind": "numeric",
+                                            "messages": [{"role": "user", "content": f"What is {i} plus 0?"}]}) + "\n"
+                                for i in range(4)))
+    out = tmp_path / "text"
+    sums = _torchrun(tiny_ckpt, rl_set, out, f"data.manifest={manifest}", "replay.M=0", "train.weight_decay=0.1",
+                     "train.stage=full")
+    assert sums[0] == sums[1]
+    start = KeyeVL.from_pretrained(tiny_ckpt).state_dict()
+    final = KeyeVL.from_pretrained(out / "final").state_dict()
+    vision = [k for k in start if k.startswith(("visual.", "mlp_AR."))]
+    assert vision and all(torch.equal(start[k], final[k]) for k in vision)
+    assert not torch.equal(start["lm_head.weight"], final["lm_head.weight"])  # the language model trained
