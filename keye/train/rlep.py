@@ -26,8 +26,9 @@ optimizer, logging, evaluation and checkpoints):
 
 All randomness of a step (sampling, replay draws, mode assignment, mini-batch order) is seeded from
 ``(train.seed, step, rank)``; a checkpoint stores the model, optimizer, scheduler, the prompt stream
-cursors, the replay pool (entries + RNG) and the rollout generator states, so a resumed run
-reproduces the uninterrupted one exactly (on CPU).
+cursors, the replay pool (entries + RNG) and the rollout generator states (a vLLM engine's seed
+counter), so a resumed run reproduces the uninterrupted one exactly (on CPU). A vLLM engine holds its own
+copy of the weights: it is synced after every update and, after a resume, before the first rollout.
 """
 
 from __future__ import annotations
