@@ -5,9 +5,15 @@
   (c) decode tokens/s with the KV cache vs recomputing the full prefix       -> speedup
   (d) peak memory of the packed tower on 8 images vs one dense
       block-diagonal N x N mask over the whole pack                         -> memory ratio
+  (e) generate, transformers path (GenerationMixin.generate) vs the previous
+      Keye loop (generate_steps), greedy, batch 1 and 4                     -> time ratio
+  (f) the text decoder vs transformers' Qwen3ForCausalLM on identical weights:
+      prefill, and greedy generation with the cache at batch 1 and 4       -> speed ratio (within 10 %?)
 
-Each part prints its ratio as its last line; the script's last line is (d).
-Usage: python benchmarks/model.py [--repeats 5]
+Each part prints its ratio as its last line; the script's last line is (f)'s overall ratio (median over
+its rows of Qwen3 time / Keye time: above 0.90 means Keye is within 10 % of Qwen3's speed).
+Timings of two contenders are interleaved run by run, so load changes on a shared machine hit both.
+Usage: python benchmarks/model.py [--repeats 5] [--parts abcdef]
 """
 
 from __future__ import annotations
@@ -52,6 +58,19 @@ def median_time(fn, repeats):
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def paired_median(fn_a, fn_b, repeats):
+    """Median seconds of two callables timed alternately (one warm-up each)."""
+    fn_a()
+    fn_b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((fn_a, ta), (fn_b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def pixels(grids):
@@ -136,16 +155,78 @@ def part_d(repeats):
     print(f"(d) memory ratio dense mask / packed varlen: {dense / max(packed, 1e-3):.2f}x")
 
 
+@torch.no_grad()
+def part_e(model, repeats):
+    n_new, ratios = 32, []
+    for bsz in (1, 4):
+        ids = torch.randint(0, 4000, (bsz, 128))
+        hf, own = paired_median(
+            lambda ids=ids: model.generate(ids, max_new_tokens=n_new, eos_token_id=[], do_sample=False),
+            lambda ids=ids: model._generate_keye(ids, max_new_tokens=n_new, eos_token_id=[], do_sample=False),
+            repeats,
+        )
+        ratios.append(own / hf)
+        print(f"(e) generate, transformers path vs previous loop, batch {bsz}, {n_new} new tokens after 128: "
+              f"transformers {bsz * n_new / hf:.0f} tok/s, previous loop {bsz * n_new / own:.0f} tok/s "
+              f"(speed ratio {own / hf:.2f})")
+    print(f"(e) generate speed, transformers path / previous loop (median over batch 1 and 4): "
+          f"{statistics.median(ratios):.2f}x")
+
+
+def qwen3_twin(model):
+    """transformers' Qwen3ForCausalLM holding ``model``'s decoder weights (same dtype, same attention kernel)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    t = model.config.text
+    cfg = Qwen3Config(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta}, tie_word_embeddings=False,
+        attention_bias=False, attn_implementation="sdpa", pad_token_id=model.generation_config.pad_token_id,
+        bos_token_id=model.generation_config.bos_token_id, eos_token_id=model.generation_config.eos_token_id,
+    )
+    hf = Qwen3ForCausalLM(cfg).eval()
+    hf.load_state_dict({k: v for k, v in model.state_dict().items() if k.startswith(("model.", "lm_head."))},
+                       strict=False)
+    return hf
+
+
+@torch.no_grad()
+def part_f(model, repeats):
+    hf = qwen3_twin(model)
+    rows = []
+    ids = torch.randint(0, 4000, (1, 1024))
+    ours, theirs = paired_median(lambda: model(input_ids=ids, logits_to_keep=1),
+                                 lambda: hf(input_ids=ids, logits_to_keep=1), repeats)
+    rows.append(("prefill 1024 tokens, batch 1", ours, theirs))
+    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    for bsz in (1, 4):
+        ids = torch.randint(0, 4000, (bsz, 128))
+        ours, theirs = paired_median(lambda ids=ids: model.generate(ids, **kw),
+                                     lambda ids=ids: hf.generate(ids, **kw), repeats)
+        rows.append((f"greedy generate 32 after 128 (cache), batch {bsz}", ours, theirs))
+    for name, ours, theirs in rows:
+        print(f"(f) {name}: Keye {ours * 1e3:.1f} ms, Qwen3ForCausalLM {theirs * 1e3:.1f} ms "
+              f"(speed ratio {theirs / ours:.2f})")
+    ratio = statistics.median(theirs / ours for _, ours, theirs in rows)
+    worst = min(theirs / ours for _, ours, theirs in rows)
+    print(f"(f) decoder speed Keye / Qwen3ForCausalLM, median over the rows: {ratio:.2f}x (worst row {worst:.2f}x; "
+          f"within 10 %: {'yes' if ratio >= 0.9 else 'no'})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--parts", default="abcdef", help="which parts to run (letters a-f)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model = build()
-    part_a(model, args.repeats)
-    part_b(model, args.repeats)
-    part_c(model, args.repeats)
-    part_d(args.repeats)
+    parts = {"a": lambda: part_a(model, args.repeats), "b": lambda: part_b(model, args.repeats),
+             "c": lambda: part_c(model, args.repeats), "d": lambda: part_d(args.repeats),
+             "e": lambda: part_e(model, args.repeats), "f": lambda: part_f(model, args.repeats)}
+    for letter in args.parts:
+        parts[letter]()
 
 
 if __name__ == "__main__":
