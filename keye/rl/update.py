@@ -43,21 +43,40 @@ def assign_advantages(
     std: str = "unbiased",
     eps: float = 1e-6,
     difficulty: DifficultyCurve | str | Sequence[Sequence[float]] | None = None,
+    kl_reward_coef: float = 0.0,
 ) -> torch.Tensor:
     """Group-normalise every sample's ``reward`` within its ``group`` (fresh and replay together, invalid
     rows excluded), optionally reshape by the group's *fresh* pass rate, store ``sample.advantage``.
 
+    ``kl_reward_coef > 0`` is the KL penalty in the reward (verl's ``use_kl_in_reward``, the place for the
+    k1 estimator, whose gradient as a loss term is zero in expectation): the normalised reward of a sample
+    is ``reward - kl_reward_coef * sum_t (old_logp - ref_logp)`` (``old_logp`` / ``ref_logp`` must be
+    filled first); the penalty is stored in ``metadata["kl_reward_penalty"]``, ``reward`` is left as scored.
+
     Returns:
         float32 [B] advantages in sample order (0 for invalid samples).
     Raises:
-        KeyeInputError: a valid sample without a reward (or, with ``difficulty``, without ``passed``).
+        KeyeInputError: a valid sample without a reward (or, with ``difficulty``, without ``passed``; with
+            ``kl_reward_coef``, without ``old_logp`` / ``ref_logp``).
     """
     if not samples:
         return torch.zeros(0)
     for i, s in enumerate(samples):
         if s.valid and s.reward is None:
             raise KeyeInputError("sample has no reward; score the samples first", item=i)
-    rewards = torch.tensor([float(s.reward) if s.valid else 0.0 for s in samples], dtype=torch.float64)
+    penalties = [0.0] * len(samples)
+    if kl_reward_coef:
+        for i, s in enumerate(samples):
+            if not s.valid:
+                continue
+            if s.old_logp is None or s.ref_logp is None:
+                raise KeyeInputError("the KL reward penalty needs old_logp and ref_logp; run fill_logprobs with the "
+                                     "policy and the reference model first", item=i)
+            n = s.num_tokens
+            penalties[i] = kl_reward_coef * float((s.old_logp[:n].double() - s.ref_logp[:n].double()).sum())
+            s.metadata["kl_reward_penalty"] = penalties[i]
+    rewards = torch.tensor([float(s.reward) - k if s.valid else 0.0 for s, k in zip(samples, penalties)],
+                           dtype=torch.float64)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     valid = torch.tensor([s.valid for s in samples], dtype=torch.bool)
     adv = group_advantages(rewards, groups, valid, std=std, eps=eps)

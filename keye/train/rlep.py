@@ -15,10 +15,11 @@ optimizer, logging, evaluation and checkpoints):
    fresh and replayed responses with the same reward; with ``algorithm.dynamic_sampling`` groups whose
    accuracy (or total reward: ``dynamic_sampling_metric``) is all equal are dropped and refilled (at most
    ``max_rounds`` rounds);
-3. group-normalised advantages over the enlarged groups (+ optional difficulty reshaping by the fresh
-   pass rate), online pool growth with new verified successes (gathered from every rank);
+3. online pool growth with new verified successes (gathered from every rank);
 4. old (and reference) log-probs with the current policy - replayed responses included - through the
-   shared-prefix tree (``tree.enabled``) or padded batches;
+   shared-prefix tree (``tree.enabled``) or padded batches, then group-normalised advantages over the
+   enlarged groups (+ optional difficulty reshaping by the fresh pass rate; with
+   ``algorithm.kl_reward_coef`` the reward minus the k1 KL to the reference, summed over the response);
 5. ``ppo_epochs`` x ``mini_batches`` optimizer updates on whole groups; every micro-batch loss is
    normalised by the token count of the whole mini-batch over all ranks, gradients are summed over
    ranks (data parallelism by explicit all-reduce: ranks may hold different numbers of live samples);
@@ -143,6 +144,7 @@ class AlgorithmSection:
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     loss_scale_factor: float | None = None  # Dr.GRPO constant of seq-mean-token-sum-norm; None: rollout.max_new_tokens
     kl_coef: float = 0.0
+    kl_reward_coef: float = 0.0  # k1 KL penalty in the reward (verl use_kl_in_reward); needs reference: true
     # KL loss estimator: k2 or k3 (= low_var_kl); k1 has zero expected gradient, so it is rejected with kl_coef > 0
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     reference: bool = False  # keep a frozen reference model (needed for kl_coef > 0; KL is logged when kl_coef > 0)
@@ -259,9 +261,13 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
                               f"the world size ({world_size})")
     if a.kl_coef and not a.reference:
         raise KeyeConfigError("algorithm.kl_coef > 0 needs algorithm.reference: true")
+    if a.kl_reward_coef < 0 or (a.kl_reward_coef and not a.reference):
+        raise KeyeConfigError(f"algorithm.kl_reward_coef must be >= 0 and > 0 needs algorithm.reference: true "
+                              f"(got {a.kl_reward_coef}, reference={a.reference})")
     if a.kl_coef and a.kl_estimator not in KL_LOSS_ESTIMATORS:
         raise KeyeConfigError(f"algorithm.kl_estimator: {a.kl_estimator!r} cannot be a loss term (algorithm.kl_coef > 0): "
-                              f"its expected gradient is zero; use one of {list(KL_LOSS_ESTIMATORS)}")
+                              f"its expected gradient is zero; use one of {list(KL_LOSS_ESTIMATORS)} (k1 belongs in the "
+                              "reward: algorithm.kl_reward_coef)")
     if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
         raise KeyeConfigError(f"algorithm.loss_scale_factor must be > 0 (or null), got {a.loss_scale_factor}")
     for key in ("ppo_epochs", "mini_batches", "micro_batch_size", "max_rounds"):
@@ -825,8 +831,6 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             for s in g:
                 s.group = gi
                 samples.append(s)
-        if samples:
-            assign_advantages(samples, std=a.std, eps=a.eps, difficulty=a.difficulty)
         fresh = [s for s in samples if s.source == "rollout"]
         pool_added = 0
         if replay_on and cfg.replay.online:
@@ -849,6 +853,8 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                 fill_logprobs(ref_model, samples, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
                               temperature=r.temperature, target="ref_logp")
         timing["old_logprob"] = time.time() - t
+        if samples:  # after the log-probs: the KL reward penalty uses them
+            assign_advantages(samples, std=a.std, eps=a.eps, difficulty=a.difficulty, kl_reward_coef=a.kl_reward_coef)
 
         t = time.time()
         gen = torch.Generator().manual_seed(seed)

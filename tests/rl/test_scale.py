@@ -275,3 +275,7 @@ def test_k1_kl_loss_is_rejected():
         cfg = load_config(RLEPConfig, None, [*over, f"algorithm.kl_estimator={est}"])
         validate(cfg)
         assert policy_loss_kwargs(cfg)["kl_estimator"] == est
+    # k1 as verl uses it: a reward penalty (tested in test_update), which needs the reference model too
+    validate(load_config(RLEPConfig, None, ["algorithm.reference=true", "algorithm.kl_reward_coef=0.01"]))
+    with pytest.raises(KeyeConfigError, match="algorithm.kl_reward_coef"):
+        validate(load_config(RLEPConfig, None, ["algorithm.kl_reward_coef=0.01"]))

@@ -43,6 +43,27 @@ def test_assign_advantages_difficulty_counts_fresh_only():
     torch.testing.assert_close(shaped, plain * 1.25)
 
 
+def test_k1_kl_as_a_reward_penalty():
+    """verl's KL-in-reward: each response's reward minus coef * sum_t (old_logp - ref_logp) (k1) before the
+    group normalisation; the task reward on the sample is left as scored."""
+    p = RLPrompt("p", [])
+    samples = [_s(p, 0, r) for r in (1.0, 0.0, 1.0)] + [_s(p, 0, None, "replay", valid=False)]
+    for s, (old, ref) in zip(samples, [([-1.0, -2.0], [-1.5, -2.5]), ([-0.5, -0.1], [-0.5, -0.1]),
+                                       ([-3.0, -1.0], [-1.0, -1.0])]):
+        s.old_logp, s.ref_logp = torch.tensor(old), torch.tensor(ref)
+    adv = assign_advantages(samples, kl_reward_coef=0.5)
+    # k1 sums 1.0, 0.0, -2.0 -> shaped rewards 0.5, 0.0, 2.0: mean 5/6, unbiased std sqrt(13/12)
+    shaped = torch.tensor([0.5, 0.0, 2.0], dtype=torch.float64)
+    expect = (shaped - shaped.mean()) / (shaped.std() + 1e-6)
+    torch.testing.assert_close(adv[:3], expect.float())
+    assert float(adv[3]) == 0.0
+    assert [s.reward for s in samples[:3]] == [1.0, 0.0, 1.0]
+    assert samples[0].metadata["kl_reward_penalty"] == pytest.approx(0.5)
+    samples[1].ref_logp = None
+    with pytest.raises(KeyeInputError, match="ref_logp"):
+        assign_advantages(samples, kl_reward_coef=0.5)
+
+
 def test_add_replay_orders_groups_and_pads_missing_slots():
     pool = ReplayPool()
     pool.add(ReplayEntry("a", "x", [7, 9]))
