@@ -12,6 +12,11 @@ micro-batches and ranks, and every micro-batch's summed token loss is divided by
 gradient is therefore the mean over all target tokens of the global batch, independent of how tokens
 fall into micro-batches or ranks (not a mean of per-micro-batch means).
 
+Precision: with ``model.dtype: bfloat16`` the forward runs in bf16 (autocast) while the trainable weights,
+their gradients and AdamW stay in float32 (frozen towers stay bf16); checkpoints keep those float32 weights
+(``master.safetensors``) for exact resume, and the official export is bf16. DeepSpeed does the same through
+its own bf16 setting.
+
 Multi-answer rows (a manifest row with an ``answers`` list, see :mod:`keye.data.manifest`) are trained
 as if each answer were its own row: every answer's tokens count in the token-mean like any sample's.
 ``train.tree`` chooses how they are computed:
@@ -306,10 +311,15 @@ def save_checkpoint(
     processor,
     info: kdist.DistInfo,
     lora: bool,
+    export_dtype: torch.dtype | None = None,
 ) -> None:
     """Model in the official layout (+ adapter weights with LoRA), optimizer, scheduler, RNG (per
     rank), loader state and trainer counters. Written to a temp dir and renamed, with a DONE marker,
-    so a crash mid-save never leaves a checkpoint that looks complete."""
+    so a crash mid-save never leaves a checkpoint that looks complete.
+
+    With ``export_dtype`` (bf16 training with float32 master weights), the official export holds every
+    weight in that dtype and ``master.safetensors`` the exact float32 trainable weights (LoRA adapters:
+    ``adapter.safetensors``), which resume restores."""
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -327,7 +337,10 @@ def save_checkpoint(
         optim_state = optimizer.state_dict()
     if info.is_main:
         model = wrapped.model
-        official = merged_state_dict(model, state) if lora else state
+        masters = {k: v for k, v in state.items() if export_dtype is not None and v.is_floating_point()
+                   and v.dtype != export_dtype and "lora_" not in k}
+        export = {k: v.to(export_dtype) if k in masters else v for k, v in state.items()}
+        official = merged_state_dict(model, export) if lora else export
         from keye.model.weights import save_state_dict
 
         save_state_dict(official, tmp / "model")
@@ -335,10 +348,12 @@ def save_checkpoint(
         model.config.to_json_file(tmp / "model" / "config.json")
         if processor is not None:
             processor.save_pretrained(tmp / "model")
-        if lora:
-            from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
+        if lora:
             save_file({k: v.contiguous() for k, v in state.items() if "lora_" in k}, str(tmp / "adapter.safetensors"))
+        if masters:
+            save_file({k: v.contiguous() for k, v in masters.items()}, str(tmp / "master.safetensors"))
         torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(), "trainer": trainer_state,
                     "loader": loader.state_dict()}, tmp / "trainer_state.pt")
     kdist.barrier()  # the main rank has written tmp/ by now
@@ -399,6 +414,10 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
 
     model = wrapped.model
     official = {name: handle.get_tensor(name) for name, _, handle in iter_tensors(ckpt_dir / "model")}
+    if (ckpt_dir / "master.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        official.update(load_file(str(ckpt_dir / "master.safetensors")))  # the exact float32 trainable weights
     if lora:
         from safetensors.torch import load_file
 
@@ -760,6 +779,18 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     frozen = apply_freezing(model, cfg.train)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
+    # bf16 training: compute in bf16 (autocast) but keep the trainable weights in float32. AdamW's step is
+    # ~lr per element, far below bf16's resolution of a weight at SFT learning rates (1e-5 vs ~1e-4 for a
+    # weight of 0.02), so pure bf16 weights would silently drop most updates. Frozen weights stay in bf16;
+    # DeepSpeed keeps its own float32 master weights (its bf16 setting).
+    export_dtype = next(model.parameters()).dtype
+    amp = export_dtype == torch.bfloat16 and cfg.train.strategy not in ("zero2", "zero3")
+    if amp:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        export_dtype = None
 
     manifest = read_manifest(cfg.data.manifest, cfg.data.root)
     tree_mode = cfg.train.tree
@@ -841,14 +872,15 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with wrapped.no_sync(last):
-                if use_tree_path(mb, tree_mode):
-                    mb_loss = tree_loss(wrapped.module, mb, info.device)
-                    tree_micro_batches += 1
-                    local_tokens += int(mb["num_tokens"])
-                else:
-                    batch = unshared_batch(mb, loader.pad_token_id) if _trees(mb) else mb
-                    mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
-                    local_tokens += int(batch["num_tokens"])
+                with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=amp):
+                    if use_tree_path(mb, tree_mode):
+                        mb_loss = tree_loss(wrapped.module, mb, info.device)
+                        tree_micro_batches += 1
+                        local_tokens += int(mb["num_tokens"])
+                    else:
+                        batch = unshared_batch(mb, loader.pad_token_id) if _trees(mb) else mb
+                        mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
+                        local_tokens += int(batch["num_tokens"])
                 wrapped.backward(mb_loss * scale)
                 if use_ds:
                     # DeepSpeed counts micro-batches itself (gradient_accumulation_steps = micro_batches): its
@@ -887,11 +919,11 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         if stop_after is not None and steps_this_run >= stop_after and state["step"] < total_steps:
             if cfg.checkpoint.save_every and state["step"] % cfg.checkpoint.save_every == 0:
                 save_checkpoint(out_dir / f"step_{state['step']:08d}", wrapped, optimizer, scheduler, loader, state,
-                                processor, info, cfg.lora.enabled)
+                                processor, info, cfg.lora.enabled, export_dtype)
             break
         if cfg.checkpoint.save_every and state["step"] % cfg.checkpoint.save_every == 0 and state["step"] < total_steps:
             save_checkpoint(out_dir / f"step_{state['step']:08d}", wrapped, optimizer, scheduler, loader, state,
-                            processor, info, cfg.lora.enabled)
+                            processor, info, cfg.lora.enabled, export_dtype)
             if info.is_main:
                 prune_checkpoints(out_dir, cfg.checkpoint.keep_last)
     if bar is not None:
@@ -899,7 +931,7 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     finished = state["step"] >= total_steps
     if finished:
         save_checkpoint(out_dir / f"step_{state['step']:08d}", wrapped, optimizer, scheduler, loader, state,
-                        processor, info, cfg.lora.enabled)
+                        processor, info, cfg.lora.enabled, export_dtype)
         if info.is_main:
             prune_checkpoints(out_dir, cfg.checkpoint.keep_last)
             if cfg.checkpoint.export:

@@ -150,3 +150,50 @@ def test_deepspeed_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tm
         assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6), s
         a, b = _params(tmp_path / s / "a"), _params(tmp_path / s / "b")
         assert all(torch.equal(a[n], b[n]) for n in a), s
+
+
+def _trained_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights as trained: the export, overlaid by the exact float32 master copies if saved."""
+    from safetensors.torch import load_file
+
+    out = {name: handle.get_tensor(name).float() for name, _, handle in iter_tensors(step_dir / "model")}
+    if (step_dir / "master.safetensors").is_file():
+        out.update(load_file(str(step_dir / "master.safetensors")))
+    return out
+
+
+@pytest.mark.slow
+def test_bf16_training_keeps_float32_master_weights(tiny_ckpt, synth_set, tmp_path):
+    """model.dtype=bfloat16 computes in bf16 but updates float32 master weights: at lr 1e-5 (the 8B recipe's)
+    an AdamW step (~1e-5 per element) is far below bf16's resolution of a weight (~1e-4), so pure bf16 weights
+    would lose almost every update. The bf16 run's updates match the float32 run's from the same start, and
+    a bf16 run killed and resumed ends exactly as the uninterrupted one (masters in the checkpoint)."""
+    start = tmp_path / "start"  # the tiny checkpoint rounded to bf16 values, stored in float32: one start for both
+    shutil.copytree(tiny_ckpt, start)
+    from keye.model.weights import save_state_dict
+
+    init = {n: h.get_tensor(n).to(torch.bfloat16).float() for n, _, h in iter_tensors(tiny_ckpt)}
+    save_state_dict(init, start)
+    args = ("train.lr=1e-5", "train.warmup_steps=0", "train.schedule=constant", "train.max_steps=3",
+            "data.micro_batches=2", "checkpoint.save_every=2", "checkpoint.keep_last=1")
+
+    def cfg(out, dtype):
+        return load_config(SFTConfig, None, [*_overrides(start, synth_set, f"model.dtype={dtype}", *args),
+                                             f"checkpoint.out_dir={out}"])
+
+    train(cfg(tmp_path / "fp32", "float32"))
+    full = train(cfg(tmp_path / "bf16", "bfloat16"))
+    want, got = _trained_weights(tmp_path / "fp32/step_00000003"), _trained_weights(tmp_path / "bf16/step_00000003")
+    u_want = torch.cat([(want[k] - init[k]).flatten() for k in init])
+    u_got = torch.cat([(got[k] - init[k]).flatten() for k in init])
+    assert float(u_want.norm()) > 0.5 * 1e-5 * 3 * u_want.numel() ** 0.5  # AdamW moved (almost) every weight
+    # bf16 compute perturbs the gradients a little; a lost update is off by 100 %.
+    assert float((u_got - u_want).norm() / u_want.norm()) < 0.2
+    part = train(cfg(tmp_path / "bf16_b", "bfloat16"), stop_after=2)
+    assert not part["finished"]
+    resumed = train(cfg(tmp_path / "bf16_b", "bfloat16"))
+    assert resumed["losses"] == full["losses"]
+    again = _trained_weights(tmp_path / "bf16_b/step_00000003")
+    assert all(torch.equal(again[k], got[k]) for k in got)
+    export = {n: h.get_tensor(n) for n, _, h in iter_tensors(tmp_path / "bf16/final")}
+    assert {t.dtype for t in export.values()} == {torch.bfloat16}  # the export stays in the model dtype
