@@ -647,11 +647,15 @@ def resize_bicubic_u8(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarra
     return y.clamp_(0, 255).round_().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def _local_video(src: str, item: Any) -> tuple[str, str | None]:
-    """(local path, temp file to delete) for a path / file:// / http(s):// / data: video source."""
-    data, local = read_source_bytes(src, item, "video")
-    if data is None:
-        return local, None
+def _local_video(src: str | bytes, item: Any) -> tuple[str, str | None]:
+    """(local path, temp file to delete) for a path / file:// / http(s):// / data: video source or the
+    file's bytes."""
+    if isinstance(src, bytes):
+        data = src
+    else:
+        data, local = read_source_bytes(src, item, "video")
+        if data is None:
+            return local, None
     fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="keye_video_")
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
@@ -730,8 +734,8 @@ def fetch_video(
     backend: str | None = None,
     item: Any = None,
 ) -> DecodedVideo:
-    """Load one video item: a path / ``file://`` / ``http(s)://`` / ``data:`` URI (probe, sample,
-    seek-decode), a list of frame images, or a uint8 array ``[T, H, W, 3]``.
+    """Load one video item: a path / ``file://`` / ``http(s)://`` / ``data:`` URI or the file's bytes (probe,
+    sample, seek-decode), a list of frame images, or a uint8 array ``[T, H, W, 3]``.
 
     Preview file inputs are resized per §9.4 (bicubic, antialias); array inputs go to the image
     processor unchanged (as the reference processor receives them); 1.5 frames keep their size (the
@@ -742,9 +746,15 @@ def fetch_video(
         raise KeyeInputError("video item has no 'video' source", item=item)
     if isinstance(src, (list, tuple, np.ndarray, torch.Tensor)):
         return _frames_input(src, opts, variant, item)
-    if not isinstance(src, (str, Path)):
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        # keye-vl-utils takes a video file's bytes as well; they are decoded from a temporary file.
+        data = bytes(src)
+        path, tmp = _local_video(data, item)
+        src = f"<{len(data)} bytes of video>"
+    elif isinstance(src, (str, Path)):
+        path, tmp = _local_video(str(src), item)
+    else:
         raise KeyeInputError(f"unsupported video source of type {type(src).__name__}", item=item)
-    path, tmp = _local_video(str(src), item)
     try:
         probe = probe_video(path, item)
         plan = sample_frames(probe.timestamps, probe.fps, opts, variant, item, src)

@@ -138,14 +138,17 @@ class _PyAVReader:
     frame rate, and a record of the indices the official code asked for."""
 
     calls: list[list[int]] = []
+    _decoded: dict[str, tuple[list[np.ndarray], float]] = {}  # per clip: the grid reads each clip many times
 
     def __init__(self, path, *args, **kwargs):
         import av
 
-        with av.open(str(path)) as c:
-            stream = c.streams.video[0]
-            self._frames = [f.to_ndarray(format="rgb24") for f in c.decode(stream)]
-            self._fps = float(stream.average_rate)
+        if str(path) not in _PyAVReader._decoded:
+            with av.open(str(path)) as c:
+                stream = c.streams.video[0]
+                frames = [f.to_ndarray(format="rgb24") for f in c.decode(stream)]
+                _PyAVReader._decoded[str(path)] = frames, float(stream.average_rate)
+        self._frames, self._fps = _PyAVReader._decoded[str(path)]
 
     def __len__(self) -> int:
         return len(self._frames)
@@ -254,7 +257,22 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("opt", list(OPTIONS))
+# The rest of the grid runs with the slow tests (the whole grid takes about a minute of CPU).
+CORE_OPTIONS = {
+    "defaults",
+    "fps_3",
+    "min_pixels_frac",
+    "max_pixels_frac",
+    "total_binding",
+    "total_unfittable",
+    "similarity_0.95",
+    "mixed",
+}
+
+
+@pytest.mark.parametrize(
+    "opt", [o if o in CORE_OPTIONS else pytest.param(o, marks=pytest.mark.slow) for o in OPTIONS]
+)
 @pytest.mark.parametrize("clip", list(CLIPS))
 def test_video_file_matches_official(clips, proc, pyav_decord, clip, opt):
     ele = {"video": clips[clip], **OPTIONS[opt]}
@@ -263,12 +281,34 @@ def test_video_file_matches_official(clips, proc, pyav_decord, clip, opt):
     except IndexError:
         # The official code samples int(seconds * fps) = 0 frames from a clip shorter than one sampling
         # step and then indexes frame 0 of nothing. keye takes the first frame instead.
-        n, vfps = len(_PyAVReader(clips[clip])), _PyAVReader(clips[clip]).get_avg_fps()
+        reader = _PyAVReader(clips[clip])
+        n, vfps = len(reader), reader.get_avg_fps()
         assert int(n / vfps * min(ele.get("fps", 2.0), vfps)) == 0
         meta = _keye(proc, ele).video_meta[0]
         assert meta.indices == [0] and meta.frame_types == ["slow"] and meta.timestamps == [0.0]
         return
     _assert_same(proc, _keye(proc, ele), ref)
+
+
+def test_video_bytes_match_official(clips, proc, pyav_decord, monkeypatch):
+    """The official helper also takes a file's bytes (decord reads them from a BytesIO)."""
+    import io
+
+    data = open(clips["odd_rate"], "rb").read()
+    seen = []
+
+    class _BytesReader(_PyAVReader):
+        def __init__(self, src, *args, **kwargs):
+            assert isinstance(src, io.BytesIO)
+            seen.append(True)
+            super().__init__(clips["odd_rate"])
+
+    monkeypatch.setattr(sys.modules["decord"], "VideoReader", _BytesReader)
+    ref = _official({"video": data, "fps": 3.0}, _BytesReader)
+    assert seen
+    batch = _keye(proc, {"video": data, "fps": 3.0})
+    _assert_same(proc, batch, ref)
+    assert batch.video_meta[0].source == f"<{len(data)} bytes of video>"
 
 
 def test_threshold_clips_hit_the_threshold_exactly(clips, pyav_decord):
