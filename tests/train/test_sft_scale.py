@@ -197,3 +197,22 @@ def test_bf16_training_keeps_float32_master_weights(tiny_ckpt, synth_set, tmp_pa
     assert all(torch.equal(again[k], got[k]) for k in got)
     export = {n: h.get_tensor(n) for n, _, h in iter_tensors(tmp_path / "bf16/final")}
     assert {t.dtype for t in export.values()} == {torch.bfloat16}  # the export stays in the model dtype
+
+
+@pytest.mark.slow
+def test_bf16_ddp_and_fsdp2_match_one_process(tiny_ckpt, synth_set, tmp_path):
+    """bf16 with float32 masters under DDP and FSDP2 (the 8B recipe's strategy), two processes: the same
+    losses and updates as one process with the same global batch (one torchrun launch for both)."""
+    args = ("model.dtype=bfloat16", "train.max_steps=3")
+    ref = _plain(tiny_ckpt, synth_set, tmp_path / "plain", *args, "data.micro_batches=2")
+    runs = _torchrun(2, [(tmp_path / s, s, (*args, "data.micro_batches=1")) for s in ("ddp", "fsdp2")],
+                     tiny_ckpt, synth_set)
+    init = {n: h.get_tensor(n).to(torch.bfloat16).float() for n, _, h in iter_tensors(tiny_ckpt)}
+    want = _trained_weights(tmp_path / "plain/step_00000003")
+    u_want = torch.cat([(want[k] - init[k]).flatten() for k in init])
+    for s, run in zip(("ddp", "fsdp2"), runs):
+        assert run["strategy"] == s and run["losses"] == pytest.approx(ref["losses"], rel=1e-3), s
+        got = _trained_weights(tmp_path / s / "step_00000003")
+        assert (tmp_path / s / "step_00000003/master.safetensors").is_file(), s
+        u_got = torch.cat([(got[k] - init[k]).flatten() for k in init])
+        assert float((u_got - u_want).norm() / u_want.norm()) < 1e-2, s
