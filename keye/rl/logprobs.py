@@ -110,7 +110,9 @@ class _LinearLogprobs(torch.autograd.Function):
         size, temperature = ctx.size, ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # low-precision weights: sum the chunks' weight gradients in float32 (one rounding at the end, as a
+        # single full-batch matmul would have)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
         if g_lp is None:
             g_lp = lse.new_zeros(s_rows.numel())
@@ -134,11 +136,15 @@ class _LinearLogprobs(torch.autograd.Function):
             g = g.to(weight.dtype)
             if grad_h is not None:
                 grad_h[start : start + n] = g @ weight
-            if grad_w is not None:
+            if grad_w is not None and weight.dtype == torch.float32:
                 grad_w.addmm_(g.t(), h)
+            elif grad_w is not None:
+                grad_w += (g.t() @ h).float()
             if grad_b is not None:
                 grad_b += g.sum(dim=0)
             del g
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 

@@ -142,6 +142,30 @@ def test_chunked_logprobs_equal_full_values_and_gradients(chunk, wrapped):
         chunked_token_logprobs(h0, rows, labels, head, chunk_size=0)
 
 
+def test_chunked_logprobs_in_bfloat16_follow_the_full_computation():
+    gen = torch.Generator().manual_seed(1)
+    m, d, v = 24, 16, 257
+    head = torch.nn.Linear(d, v, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(v, d, generator=gen) * 0.3)
+    h0 = torch.randn(m, d, generator=gen).to(torch.bfloat16)
+    rows, labels = torch.arange(m), torch.randint(0, v, (m,), generator=gen)
+    g = torch.randn(m, generator=gen)
+    out = []
+    for chunk in (None, 5):  # None: the full autograd graph below; 5: the fused chunked function
+        head.zero_grad()
+        h = h0.clone().requires_grad_(True)
+        if chunk is None:
+            lp, ent = _full_stats(h, head, rows, labels, 1.0)
+        else:
+            lp, ent = chunked_token_logprobs(h, rows, labels, head, with_entropy=True, chunk_size=chunk)
+        ((lp + ent) * g).sum().backward()
+        assert head.weight.grad.dtype == torch.bfloat16 and h.grad.dtype == torch.bfloat16
+        out.append((lp.detach(), ent.detach(), h.grad.float(), head.weight.grad.float()))
+    for name, a, b in zip(("logp", "entropy", "d hidden", "d weight"), *out):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2, msg=name)
+
+
 class _SavedSizes:
     """Records the shapes autograd keeps for the backward (outside checkpointed regions); views of the
     ``params`` (e.g. the transposed lm_head weight a matmul keeps) are not counted."""
