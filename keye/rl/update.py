@@ -6,8 +6,8 @@ Typical RLEP step (the recipe adds config, logging, optimizer and checkpoints)::
     fresh = engine.generate(prompts, G)                                   # G per prompt
     samples = add_replay(fresh, pool, M, encode=..., eos_id=..., max_response_len=...)
     scores = scorer(samples); set_scores(samples, scores)                 # same reward for replay
-    assign_advantages(samples, std="unbiased", eps=1e-6, difficulty="flat")
     fill_logprobs(model, samples, pad_id=pad, micro_batch_size=8)         # old log-probs, replay included
+    assign_advantages(samples, std="unbiased", eps=1e-6, difficulty="flat")  # (+ kl_reward_coef: needs ref_logp)
     for _ in range(ppo_epochs):
         for idx in group_minibatches(group_ids, groups_per_minibatch):
             stats = accumulate_policy_gradients(model, [samples[i] for i in idx], pad_id=pad,
