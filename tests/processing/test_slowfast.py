@@ -81,6 +81,21 @@ def test_threshold_configurable():
     assert classify_frames(frames, min_frame_similarity=0.95).tolist() == [SLOW, SLOW]
 
 
+@pytest.mark.parametrize("n_black,expect", [(4, FAST), (5, SLOW), (6, SLOW)])
+def test_similarity_on_the_threshold_is_a_float32_fraction(n_black, expect):
+    # 140x280 is already a similarity-resolution size: 5 x 10 = 50 patches, no resize. Blackening k patches
+    # makes their cosine 0, so the similarity is (50 - k) / 50. For k = 5 that is 0.9 in float64 (not below
+    # the 0.9 threshold: fast) but 0.89999998 as the reference's float32 mean (below: slow).
+    base = np.zeros((140, 280, 3), np.uint8)
+    base[..., 0], base[..., 1], base[..., 2] = 200, 50, 50
+    changed = base.copy()
+    for k in range(n_black):
+        changed[28 * (k % 5) : 28 * (k % 5 + 1), 28 * k : 28 * (k + 1)] = 0
+    frames = torch.from_numpy(np.stack([base, changed])).permute(0, 3, 1, 2)
+    assert classify_frames(frames).tolist() == [SLOW, expect]
+    assert float(np.float32(45) / np.float32(50)) < 0.9 <= 45 / 50  # the two roundings the test separates
+
+
 def test_worked_examples_1080p():
     short = slowfast_sizes(60, 60, 1080, 1920)
     assert (short.slow_hw, short.slow_tokens) == ((560, 1008), 720)
