@@ -404,8 +404,9 @@ def _check_lora_base(ckpt_dir: Path, remerged: dict[str, torch.Tensor], official
         eps = torch.finfo(official[merged_key].dtype).eps
         if not torch.allclose(got, want, rtol=2 * eps, atol=1e-3 * eps):
             raise KeyeConfigError(
-                f"{ckpt_dir}: the LoRA checkpoint was not trained from this model.path ({merged_key} differs by "
-                f"up to {float((got - want).abs().max()):.3g}); resume with the base model it was trained from")
+                f"{ckpt_dir}: the LoRA checkpoint was not trained from this model.path ({merged_key} differs "
+                f"by up to {float((got - want).abs().max()):.3g}); resume with the base model it was trained "
+                f"from")
 
 
 def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info, lora: bool) -> dict[str, Any]:
@@ -417,16 +418,16 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
     if (ckpt_dir / "master.safetensors").is_file():
         from safetensors.torch import load_file
 
-        official.update(load_file(str(ckpt_dir / "master.safetensors")))  # the exact float32 trainable weights
+        official.update(load_file(str(ckpt_dir / "master.safetensors")))  # exact float32 trainable weights
     if lora:
         from safetensors.torch import load_file
 
         adapters = load_file(str(ckpt_dir / "adapter.safetensors"))
-        # The export folds each adapter into its base weight in the model dtype, a rounding that merged - delta
-        # cannot undo (in bf16 the rebuilt base is off by up to an ulp, and training no longer resumes
-        # exactly). The base weights of LoRA-wrapped modules are frozen for the whole run, so the model as
-        # just built from model.path holds them exactly: keep them, once checked to be the weights the
-        # checkpoint was trained on (folding the saved adapters into them gives the saved export).
+        # The export folds each adapter into its base weight in the model dtype, a rounding that
+        # merged - delta cannot undo (in bf16 the rebuilt base is off by up to an ulp, and training no
+        # longer resumes exactly). The base weights of LoRA-wrapped modules are frozen for the whole run,
+        # so the model as just built from model.path holds them exactly: keep them, once checked to be the
+        # weights the checkpoint was trained on (folding the saved adapters into them gives the export).
         base = _lora_base_weights(wrapped)
         full = {}
         for key in model.state_dict():
@@ -743,6 +744,36 @@ def _infinite(loader):
         yield from loader
 
 
+def deepspeed_config(cfg: SFTConfig, world_size: int, device_type: str,
+                     model_dtype: torch.dtype) -> dict[str, Any]:
+    """The DeepSpeed config of a ZeRO run: ``train.deepspeed_config`` (default
+    ``training/deepspeed/<strategy>.json``) with batch sizes, accumulation (``data.micro_batches``) and
+    clipping (``train.grad_clip``) from the recipe.
+
+    ``"enabled": "auto"`` in the ``bf16`` / ``fp16`` sections (the HF-Trainer convention the shipped configs
+    use) is resolved from ``model_dtype``: DeepSpeed itself reads the string as *disabled*, which for a bf16
+    model means no bf16 engine and no float32 master weights. On CPU the ``bf16`` section is dropped.
+
+    Raises:
+        KeyeConfigError: the file is missing or not JSON (the message names it).
+    """
+    ds_path = cfg.train.deepspeed_config or f"training/deepspeed/{cfg.train.strategy}.json"
+    try:
+        ds_cfg = json.loads(Path(ds_path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise KeyeConfigError(f"{ds_path}: cannot read the DeepSpeed config ({err})") from None
+    ds_cfg["train_micro_batch_size_per_gpu"] = 1
+    ds_cfg["gradient_accumulation_steps"] = cfg.data.micro_batches
+    ds_cfg["train_batch_size"] = cfg.data.micro_batches * world_size
+    ds_cfg["gradient_clipping"] = cfg.train.grad_clip
+    for section, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if isinstance(ds_cfg.get(section), dict) and ds_cfg[section].get("enabled") == "auto":
+            ds_cfg[section]["enabled"] = model_dtype == dtype
+    if device_type != "cuda":
+        ds_cfg.pop("bf16", None)
+    return ds_cfg
+
+
 def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     """Run SFT as configured; returns the run summary (also written to ``summary.json``).
 
@@ -816,17 +847,7 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
     ds_cfg = None
     if cfg.train.strategy in ("zero2", "zero3"):
-        ds_path = cfg.train.deepspeed_config or f"training/deepspeed/{cfg.train.strategy}.json"
-        try:
-            ds_cfg = json.loads(Path(ds_path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise KeyeConfigError(f"{ds_path}: cannot read the DeepSpeed config ({err})") from None
-        ds_cfg["train_micro_batch_size_per_gpu"] = 1
-        ds_cfg["gradient_accumulation_steps"] = cfg.data.micro_batches
-        ds_cfg["train_batch_size"] = cfg.data.micro_batches * info.world_size
-        ds_cfg["gradient_clipping"] = cfg.train.grad_clip
-        if info.device.type != "cuda":
-            ds_cfg.pop("bf16", None)
+        ds_cfg = deepspeed_config(cfg, info.world_size, info.device.type, next(model.parameters()).dtype)
     if cfg.train.strategy == "fsdp2":
         wrapped = kdist.wrap_model(model, cfg.train.strategy, info)
         optimizer = make_optimizer()
@@ -879,7 +900,8 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                         local_tokens += int(mb["num_tokens"])
                     else:
                         batch = unshared_batch(mb, loader.pad_token_id) if _trees(mb) else mb
-                        mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
+                        inputs = model_inputs(batch, info.device)
+                        mb_loss = wrapped.module(**inputs, loss_reduction="sum").loss
                         local_tokens += int(batch["num_tokens"])
                 wrapped.backward(mb_loss * scale)
                 if use_ds:
@@ -890,9 +912,10 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             loss_sum += float(mb_loss.detach())
         if use_ds:
             if wrapped.engine.global_steps != ds_steps_before + 1:
-                raise RuntimeError(f"DeepSpeed took {wrapped.engine.global_steps - ds_steps_before} optimizer steps "
-                                   f"in training step {state['step'] + 1}, expected 1: its accumulation boundary is "
-                                   f"out of step with data.micro_batches={cfg.data.micro_batches}")
+                taken = wrapped.engine.global_steps - ds_steps_before
+                raise RuntimeError(f"DeepSpeed took {taken} optimizer steps in training step "
+                                   f"{state['step'] + 1}, expected 1: its accumulation boundary is out of step "
+                                   f"with data.micro_batches={cfg.data.micro_batches}")
             grad_norm = float(wrapped.engine.get_global_grad_norm() or 0.0)
         else:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
@@ -998,5 +1021,5 @@ def run_from_args(config: str | None, overrides: list[str]) -> int:
     return 0
 
 
-__all__ = ["SFTConfig", "TreeCostModel", "TreeSampleProcessor", "main", "target_tokens", "to_dict", "train",
-           "tree_loss", "unshared_batch", "use_tree_path"]
+__all__ = ["SFTConfig", "TreeCostModel", "TreeSampleProcessor", "deepspeed_config", "main", "target_tokens",
+           "to_dict", "train", "tree_loss", "unshared_batch", "use_tree_path"]

@@ -26,8 +26,8 @@ from keye.train.sft import SFTConfig, train
 REPO = Path(__file__).resolve().parents[2]
 # One sample per micro-batch keeps every run small and makes the global batch of a step exactly
 # ``world_size * micro_batches`` samples whatever the layout, so layouts can be compared one to one.
-BASE = ("data.batch_size=1", "data.batch_tokens=null", "train.lr=3e-3", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
-        "checkpoint.export=true")
+BASE = ("data.batch_size=1", "data.batch_tokens=null", "train.lr=3e-3", "train.warmup_steps=1",
+        "log.progress=false", "log.tensorboard=false", "checkpoint.export=true")
 
 
 def _overrides(tiny_ckpt, synth_set, *extra) -> list[str]:
@@ -36,7 +36,8 @@ def _overrides(tiny_ckpt, synth_set, *extra) -> list[str]:
 
 def _plain(tiny_ckpt, synth_set, out, *extra) -> dict:
     """The reference: one process, no wrapper."""
-    return train(load_config(SFTConfig, None, [*_overrides(tiny_ckpt, synth_set, *extra), f"checkpoint.out_dir={out}"]))
+    overrides = [*_overrides(tiny_ckpt, synth_set, *extra), f"checkpoint.out_dir={out}"]
+    return train(load_config(SFTConfig, None, overrides))
 
 
 def _torchrun(nproc: int, jobs: list[tuple[Path, str, tuple[str, ...]]], tiny_ckpt, synth_set) -> list[dict]:
@@ -45,7 +46,8 @@ def _torchrun(nproc: int, jobs: list[tuple[Path, str, tuple[str, ...]]], tiny_ck
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(REPO / "tests/train/_dist_sft.py")]
     for i, (out, strategy, extra) in enumerate(jobs):
-        cmd += (["--"] if i else []) + [str(out), strategy, *_overrides(tiny_ckpt, synth_set, "train.device=cpu", *extra)]
+        job = [str(out), strategy, *_overrides(tiny_ckpt, synth_set, "train.device=cpu", *extra)]
+        cmd += (["--"] if i else []) + job
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / "summary.json").read_text()) for out, _, _ in jobs]
@@ -59,7 +61,8 @@ def _params(run: Path) -> dict[str, torch.Tensor]:
     return {name: handle.get_tensor(name) for name, _, handle in iter_tensors(run / "final")}
 
 
-def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], base: dict[str, torch.Tensor]):
+def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                         base: dict[str, torch.Tensor]) -> None:
     """``got`` made the same updates as ``want`` from ``base``, up to float rounding.
 
     Summation order differs between the layouts (flat ZeRO buffers, all-reduce), and AdamW's first steps
@@ -94,8 +97,8 @@ def test_deepspeed_zero_micro_batches_match_plain_run(nproc, tiny_ckpt, synth_se
     for strategy, run in zip(("zero2", "zero3"), runs):
         assert run["strategy"] == strategy and run["world_size"] == nproc and run["steps"] == 3
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), strategy
-        # The logged norm is the global one before clipping, as clip_grad_norm_ reports it (> 1 here: clipped).
-        assert _grad_norms(tmp_path / strategy) == pytest.approx(_grad_norms(tmp_path / "plain"), rel=1e-4), strategy
+        # The logged norm is the global one before clipping, as clip_grad_norm_ reports it (> 1: clipped).
+        assert _grad_norms(tmp_path / strategy) == pytest.approx(_grad_norms(tmp_path / "plain"), rel=1e-4)
         _assert_params_close(_params(tmp_path / strategy), want, base)
 
 
@@ -119,7 +122,7 @@ def test_lora_bf16_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tm
     a, b = (tmp_path / "a/step_00000003", tmp_path / "b/step_00000003")
     from safetensors.torch import load_file
 
-    adapters_a, adapters_b = load_file(str(a / "adapter.safetensors")), load_file(str(b / "adapter.safetensors"))
+    adapters_a, adapters_b = (load_file(str(d / "adapter.safetensors")) for d in (a, b))
     assert adapters_a and set(adapters_a) == set(adapters_b)
     assert all(torch.equal(adapters_a[k], adapters_b[k]) for k in adapters_a)
     export_a, export_b = _params(tmp_path / "a"), _params(tmp_path / "b")
@@ -168,7 +171,7 @@ def test_bf16_training_keeps_float32_master_weights(tiny_ckpt, synth_set, tmp_pa
     an AdamW step (~1e-5 per element) is far below bf16's resolution of a weight (~1e-4), so pure bf16 weights
     would lose almost every update. The bf16 run's updates match the float32 run's from the same start, and
     a bf16 run killed and resumed ends exactly as the uninterrupted one (masters in the checkpoint)."""
-    start = tmp_path / "start"  # the tiny checkpoint rounded to bf16 values, stored in float32: one start for both
+    start = tmp_path / "start"  # the tiny checkpoint rounded to bf16 values, in float32: one start for both
     shutil.copytree(tiny_ckpt, start)
     from keye.model.weights import save_state_dict
 
@@ -183,7 +186,7 @@ def test_bf16_training_keeps_float32_master_weights(tiny_ckpt, synth_set, tmp_pa
 
     train(cfg(tmp_path / "fp32", "float32"))
     full = train(cfg(tmp_path / "bf16", "bfloat16"))
-    want, got = _trained_weights(tmp_path / "fp32/step_00000003"), _trained_weights(tmp_path / "bf16/step_00000003")
+    want, got = (_trained_weights(tmp_path / d / "step_00000003") for d in ("fp32", "bf16"))
     u_want = torch.cat([(want[k] - init[k]).flatten() for k in init])
     u_got = torch.cat([(got[k] - init[k]).flatten() for k in init])
     assert float(u_want.norm()) > 0.5 * 1e-5 * 3 * u_want.numel() ** 0.5  # AdamW moved (almost) every weight
@@ -216,3 +219,24 @@ def test_bf16_ddp_and_fsdp2_match_one_process(tiny_ckpt, synth_set, tmp_path):
         assert (tmp_path / s / "step_00000003/master.safetensors").is_file(), s
         u_got = torch.cat([(got[k] - init[k]).flatten() for k in init])
         assert float((u_got - u_want).norm() / u_want.norm()) < 1e-2, s
+
+
+def test_deepspeed_config_resolves_auto_precision(tmp_path):
+    """The shipped ZeRO configs say ``"bf16": {"enabled": "auto"}``, an HF-Trainer convention DeepSpeed itself
+    reads as *disabled* (no bf16 engine, no float32 masters, for a bf16 model). The recipe resolves it from
+    the model dtype; it drops the section on CPU; accumulation and clipping follow the recipe."""
+    from keye.train.sft import deepspeed_config
+
+    cfg = load_config(SFTConfig, None, ["train.strategy=zero3", "data.micro_batches=4", "train.grad_clip=0.5",
+                                        f"train.deepspeed_config={REPO / 'training/deepspeed/zero3.json'}"])
+    ds = deepspeed_config(cfg, world_size=8, device_type="cuda", model_dtype=torch.bfloat16)
+    assert ds["bf16"]["enabled"] is True and ds["zero_optimization"]["stage"] == 3
+    assert ds["gradient_accumulation_steps"] == 4 and ds["train_batch_size"] == 32
+    assert ds["gradient_clipping"] == 0.5
+    assert deepspeed_config(cfg, 8, "cuda", torch.float32)["bf16"]["enabled"] is False
+    assert "bf16" not in deepspeed_config(cfg, 1, "cpu", torch.bfloat16)
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    cfg.train.deepspeed_config = str(bad)
+    with pytest.raises(KeyeConfigError, match=r"ds\.json: cannot read the DeepSpeed config"):
+        deepspeed_config(cfg, 1, "cuda", torch.bfloat16)
