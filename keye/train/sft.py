@@ -914,8 +914,8 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             if wrapped.engine.global_steps != ds_steps_before + 1:
                 taken = wrapped.engine.global_steps - ds_steps_before
                 raise RuntimeError(f"DeepSpeed took {taken} optimizer steps in training step "
-                                   f"{state['step'] + 1}, expected 1: its accumulation boundary is out of step "
-                                   f"with data.micro_batches={cfg.data.micro_batches}")
+                                   f"{state['step'] + 1}, expected 1: its accumulation boundary is out of "
+                                   f"step with data.micro_batches={cfg.data.micro_batches}")
             grad_norm = float(wrapped.engine.get_global_grad_norm() or 0.0)
         else:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
