@@ -110,6 +110,8 @@ CLIPS = {
     "near_static": (lambda: _near_static(60, 64, 96, 6), 30.0),
     "odd_rate": (lambda: _scenes(25, 96, 128, [7, 19], 7), 23.976),
     "tall": (lambda: _scenes(37, 112, 56, [20], 8), 7.5),
+    # at 20 fps frame 3 is at 0.15 s: "0.2" from the float32 timestamp, "0.1" from a float64 one
+    "rate_20": (lambda: _scenes(12, 40, 60, [6], 10), 20.0),
 }
 
 
@@ -260,6 +262,7 @@ OPTIONS = {
 # The rest of the grid runs with the slow tests (the whole grid takes about a minute of CPU).
 CORE_OPTIONS = {
     "defaults",
+    "fps_above_rate",
     "fps_3",
     "min_pixels_frac",
     "max_pixels_frac",

@@ -345,3 +345,14 @@ def test_video_total_pixels_is_read_and_conflicts_are_named():
     with pytest.raises(KeyeInputError, match="video_total_pixels") as err:
         VideoOptions.from_item({"video_total_pixels": 1000, "total_pixels": 2000}, item="video 2")
     assert "video 2" in str(err.value)
+
+
+def test_official_timestamps_are_float32_and_format_like_the_reference():
+    # keye-vl-utils builds torch.FloatTensor([(1 / fps) * i ...]); the 1.5 prompt formats those float32 values
+    fps, idx = 20.0, [0, 1, 3, 7, 13, 399]
+    ref = torch.FloatTensor([(1 / fps) * i for i in idx])
+    got = V.official_timestamps(idx, fps)
+    assert got == ref.tolist()
+    assert [format(t, ".1f") for t in got] == [format(ref[j], ".1f") for j in range(len(idx))]
+    # frame 3 at 20 fps: 0.15 s is 0.1499... in float64 ("0.1") but 0.15000001 in float32 ("0.2")
+    assert format(got[2], ".1f") == "0.2" and format(3 / 20, ".1f") == "0.1"
