@@ -20,6 +20,7 @@ _AREAS = (
     "keye.processing.cli",  # keye chat / keye process
     "keye.data.cli",  # keye data check / synth / clip-filter
     "keye.train.cli",  # keye train sft / rlep, keye init, keye merge
+    "keye.rl.cli",  # keye rl plan
     "keye.eval.cli",  # keye eval mmmu / mathvista / videoqa / synth / score
     "keye.demo.cli",  # keye demo, keye chat
     "keye.serve.cli",  # keye serve
