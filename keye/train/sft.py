@@ -313,8 +313,8 @@ def save_checkpoint(
     lora: bool,
     export_dtype: torch.dtype | None = None,
 ) -> None:
-    """Model in the official layout (+ adapter weights with LoRA), optimizer, scheduler, RNG (per
-    rank), loader state and trainer counters. Written to a temp dir and renamed, with a DONE marker,
+    """Model in the official layout (+ adapter weights with LoRA), optimizer, scheduler, RNG and loader
+    state (per rank) and trainer counters. Written to a temp dir and renamed, with a DONE marker,
     so a crash mid-save never leaves a checkpoint that looks complete.
 
     With ``export_dtype`` (bf16 training with float32 master weights), the official export holds every
@@ -358,6 +358,9 @@ def save_checkpoint(
                     "loader": loader.state_dict()}, tmp / "trainer_state.pt")
     kdist.barrier()  # the main rank has written tmp/ by now
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
+    # The position is common to all ranks, but the counters (samples loaded, bad samples: the bad-fraction
+    # check) are each rank's own.
+    torch.save(loader.state_dict(), tmp / f"loader_rank{info.rank}.pt")
     kdist.barrier()
     if info.is_main:
         (tmp / "DONE").write_text(json.dumps({"step": trainer_state["step"], "time": time.time()}))
@@ -463,7 +466,10 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
     else:
         optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
-    loader.load_state_dict(blob["loader"])
+    own_loader = ckpt_dir / f"loader_rank{info.rank}.pt"
+    # Checkpoints from before per-rank loader files hold rank 0's state only.
+    loader_state = torch.load(own_loader, weights_only=False) if own_loader.is_file() else blob["loader"]
+    loader.load_state_dict(loader_state)
     rng = ckpt_dir / f"rng_rank{info.rank}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -4,9 +4,12 @@ Args: ``OUT_DIR STRATEGY [key=value ...] [-- OUT_DIR STRATEGY [key=value ...] ..
 job runs in turn in the same process group, so one torchrun launch (and one DeepSpeed import) serves
 several runs. ``stop_after=N`` among a job's arguments stops it after N steps without the final save (a
 simulated crash; the next job on the same OUT_DIR resumes). Each run's summary.json and final/ export are
-what the tests compare."""
+what the tests compare, with each rank's data-loader summary (``data_rank<R>.json``)."""
 
+import json
+import os
 import sys
+from pathlib import Path
 
 from keye.train import dist as kdist
 from keye.train.config import load_config
@@ -30,6 +33,8 @@ if __name__ == "__main__":
             overrides = [o for o in overrides if not o.startswith("stop_after=")]
             cfg = load_config(SFTConfig, None, [f"checkpoint.out_dir={out_dir}", f"train.strategy={strategy}",
                                                 *overrides])
-            train(cfg, stop_after=stop[-1] if stop else None)
+            summary = train(cfg, stop_after=stop[-1] if stop else None)
+            rank = os.environ.get("RANK", "0")
+            (Path(out_dir) / f"data_rank{rank}.json").write_text(json.dumps(summary["data"], default=str))
     finally:
         kdist.cleanup()

@@ -140,8 +140,11 @@ def test_lora_bf16_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tm
 @pytest.mark.slow
 def test_deepspeed_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tmp_path):
     """Two processes, 2 micro-batches each, ZeRO-2 and ZeRO-3 (one torchrun launch): a run stopped after its
-    step-2 checkpoint and resumed from it ends as the uninterrupted run (losses and parameters)."""
-    args = ("train.max_steps=3", "data.micro_batches=2", "checkpoint.save_every=2", "checkpoint.keep_last=1")
+    step-2 checkpoint and resumed from it ends as the uninterrupted run (losses, parameters, and each rank's
+    data-loader counters). Token-budget batches give the ranks unequal samples and tokens per step (3 and
+    4, 4 and 4, 2 and 4 samples)."""
+    args = ("data.batch_size=null", "data.batch_tokens=1280", "train.max_steps=3", "data.micro_batches=2",
+            "checkpoint.save_every=2", "checkpoint.keep_last=1")
     jobs = []
     for s in ("zero2", "zero3"):
         jobs += [(tmp_path / s / "a", s, args), (tmp_path / s / "b", s, (*args, "stop_after=2")),
@@ -153,6 +156,11 @@ def test_deepspeed_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tm
         assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6), s
         a, b = _params(tmp_path / s / "a"), _params(tmp_path / s / "b")
         assert all(torch.equal(a[n], b[n]) for n in a), s
+        data = [[json.loads((tmp_path / s / d / f"data_rank{r}.json").read_text()) for r in (0, 1)]
+                for d in ("a", "b")]
+        assert data[0][0]["bad_before_training"] == 0  # every sample fits the token budget
+        assert data[0][0]["samples_ok"] != data[0][1]["samples_ok"]  # the ranks' counts differ...
+        assert data[1] == data[0], s  # ...and each rank resumes its own
 
 
 def _trained_weights(step_dir: Path) -> dict[str, torch.Tensor]:
