@@ -393,6 +393,16 @@ def _reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, fl
     return dict(zip(keys, t.tolist()))
 
 
+def _dynsample_stats(res: Any, device: torch.device) -> dict[str, float]:
+    """All-rank dynamic-sampling metrics (collective): groups generated and dropped summed over ranks, the
+    kept fraction of those sums, and the rounds of the slowest rank."""
+    g = _reduce_sums({"generated": float(res.generated), "dropped": float(res.dropped)}, device)
+    rounds = max(_all_gather(int(res.rounds)))
+    kept = (g["generated"] - g["dropped"]) / g["generated"] if g["generated"] else 0.0
+    return {"dynsample/rounds": float(rounds), "dynsample/generated": g["generated"],
+            "dynsample/dropped": g["dropped"], "dynsample/kept_frac": kept}
+
+
 def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**62)
 
@@ -823,7 +833,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             res = dynamic_sample(stream.draw, produce, per_rank,
                                  rewards_of=lambda g: group_signal(g, a.dynamic_sampling_metric),
                                  max_rounds=a.max_rounds, oversample=a.oversample)
-            groups, ds_stats = res.groups, res.stats()
+            groups, ds_stats = res.groups, _dynsample_stats(res, info.device)
         else:
             groups, ds_stats = produce(stream.draw(per_rank)), {}
         samples = []

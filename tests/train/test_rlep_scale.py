@@ -107,11 +107,21 @@ def _step_rows(out: Path) -> list[dict[str, float]]:
 def test_two_processes_padded_empty_mini_batches_do_not_step(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
     """2 ranks with one group each: ``mini_batches=2`` leaves the second mini-batch empty on both ranks.
     Skipping it makes the run equal to ``mini_batches=1`` (the same single update per step); stepping
-    AdamW on the all-reduced zero gradients moved the weights by momentum alone."""
-    two = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb2", "algorithm.mini_batches=2", "replay.M=1")
-    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb1", "algorithm.mini_batches=1", "replay.M=1")
-    assert two[0] == two[1] and one[0] == one[1]
+    AdamW on the all-reduced zero gradients moved the weights by momentum alone. With one round of
+    dynamic sampling each rank generates exactly its one group per step, so the logged counts must be
+    the all-rank ones (2 groups per step), not rank 0's."""
+    ds = ("replay.M=1", "algorithm.dynamic_sampling=true", "algorithm.max_rounds=1",
+          "algorithm.dynamic_sampling_metric=reward")
+    two = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb2", "algorithm.mini_batches=2", *ds)
+    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb1", "algorithm.mini_batches=1", *ds)
+    with torch.no_grad():
+        start = float(sum(p.double().sum() for p in KeyeVL.from_pretrained(tiny_ckpt).parameters()))
+    assert two[0] == two[1] and one[0] == one[1] and two[0] != start
     assert two[0] == one[0]
+    rows = _step_rows(tmp_path / "mb2")
+    assert [r["dynsample/generated"] for r in rows] == [2.0, 2.0]
+    for r in rows:
+        assert r["dynsample/kept_frac"] == (r["dynsample/generated"] - r["dynsample/dropped"]) / 2.0
 
 
 @pytest.mark.slow
