@@ -8,6 +8,7 @@ single-process; under ``torchrun`` the backend is NCCL on GPUs and gloo on CPUs.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -62,9 +63,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
 
 
 def cleanup() -> None:
-    """Tear the process group down (required before exit for clean gloo/NCCL shutdown)."""
+    """Tear the process group down (required before exit for clean gloo/NCCL shutdown).
+
+    Called from a ``finally`` block while an exception propagates, it skips the barrier: the other ranks
+    may be waiting in a collective this rank will never join, and waiting for them would hang the whole
+    job until the collective timeout instead of failing it now."""
     if dist.is_initialized():
-        dist.barrier()
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -8,7 +8,8 @@ weights it holds at that moment and the seed: the tests compare those fingerprin
 checkpoints. The sampled ids do not depend on the weights (no forward is run); they are ordinary vocabulary
 ids ending in EOS when shorter than ``max_tokens``, or only ``<|video_pad|>`` ids (text tokens a policy may
 sample, which are scored but never enter the loss) for the ranks listed in the environment variable
-``FAKE_VLLM_PLACEHOLDER_RANKS`` or the call numbers in :attr:`LLM.placeholder_calls`.
+``FAKE_VLLM_PLACEHOLDER_RANKS`` or the call numbers in :attr:`LLM.placeholder_calls`; the ranks listed in
+``FAKE_VLLM_FAIL_RANKS`` raise instead of generating (a rank that fails while the others wait).
 
 :func:`install` puts the module into ``sys.modules["vllm"]`` so ``import vllm`` finds it (tests register the
 result of :func:`reset` with ``monkeypatch.setitem(sys.modules, "vllm", ...)`` instead).
@@ -97,6 +98,8 @@ class LLM:
 
     def generate(self, requests: list[dict[str, Any]], params: SamplingParams, use_tqdm: bool = True
                  ) -> list[_RequestOutput]:
+        if os.environ.get("RANK", "0") in os.environ.get("FAKE_VLLM_FAIL_RANKS", "").split(","):
+            raise RuntimeError("fake vLLM engine failure on this rank")
         call = len(self.generations)
         self.generations.append({"weights": fingerprint(self.weights), "seed": params.seed,
                                  "prompts": len(requests)})

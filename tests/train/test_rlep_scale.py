@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -85,16 +86,29 @@ def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ck
     assert any(k.endswith("/exp_avg") and s1[k].abs().sum() > 0 for k in s1)  # step 1 did build momentum
 
 
-def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
-              env: dict[str, str] | None = None) -> dict[int, float]:
-    """One gloo run of ``_dist_rlep.py`` on ``nproc`` processes; returns each rank's parameter checksum."""
+def _launch(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
+            env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """One gloo run of ``_dist_rlep.py`` on ``nproc`` processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(REPO / "tests/train/_dist_rlep.py"), str(out), f"model.path={tiny_ckpt}",
            f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4",
            f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2", "log.progress=false",
            "train.device=cpu", *overrides]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING", **(env or {})},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: a hung rank must not outlive the test
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
+              env: dict[str, str] | None = None) -> dict[int, float]:
+    """:func:`_launch`, which must succeed; returns each rank's parameter checksum."""
+    proc = _launch(tiny_ckpt, data, out, *overrides, nproc=nproc, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in range(nproc)}
 
@@ -177,3 +191,14 @@ def test_two_processes_leave_parameters_without_gradient_alone(tiny_ckpt, rl_set
     vision = [k for k in start if k.startswith(("visual.", "mlp_AR."))]
     assert vision and all(torch.equal(start[k], final[k]) for k in vision)
     assert not torch.equal(start["lm_head.weight"], final["lm_head.weight"])  # the language model trained
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_job_instead_of_hanging_it(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """Rank 1's engine raises during its first rollout while rank 0 waits in a collective. The failing
+    rank must not wait at the teardown barrier (that hung both ranks until the process-group timeout,
+    30 minutes on gloo): the job exits non-zero within seconds, with the error in its output."""
+    proc = _launch(tiny_ckpt, rl_set, tmp_path / "fail", "rollout.engine=vllm", "replay.M=0",
+                   env={"FAKE_VLLM_FAIL_RANKS": "1"}, timeout=180)
+    assert proc.returncode != 0
+    assert "fake vLLM engine failure on this rank" in proc.stdout + proc.stderr
