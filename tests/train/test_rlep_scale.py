@@ -1,7 +1,10 @@
-"""RL trainer beyond the toy (issue 17): a vLLM engine serves the resumed policy, empty mini-batches do not
-step AdamW (one process, and two gloo processes where only one rank has tokens), and metrics and resume
-stay exact with several ranks. The vLLM engine is the recording stand-in of ``tests/train/_fake_vllm.py``
-driven through the real :class:`keye.rl.VLLMRollout`."""
+"""RL trainer beyond the toy (issue 17): a vLLM engine serves the resumed policy and resumes its seed
+stream; a mini-batch without loss tokens does not step AdamW (one process, two gloo processes with padded
+empty mini-batches, and two where only one rank has tokens: that run equals one process on the other
+rank's prompts, weights and metrics); parameters no rank trained stay untouched; dynamic-sampling metrics
+are all-rank; the logged learning rate is the one used; a failing rank fails the job instead of hanging
+it. The vLLM engine is the recording stand-in of ``tests/train/_fake_vllm.py`` driven through the real
+:class:`keye.rl.VLLMRollout`."""
 
 from __future__ import annotations
 
@@ -34,7 +37,6 @@ def _weights(ckpt: Path) -> dict[str, float]:
     return fingerprint(KeyeVL.from_pretrained(ckpt, torch_dtype="float32").state_dict())
 
 
-@pytest.mark.slow
 def test_vllm_engine_serves_the_resumed_policy(tiny_ckpt, rl_set, tmp_path, monkeypatch):  # noqa: F811
     """Every rollout samples from the policy of the previous step, also right after a resume (the engine is
     built from the start checkpoint, so it must be synced before the first rollout), and the resumed run
@@ -66,7 +68,6 @@ def _optimizer_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return {f"{i}/{k}": torch.as_tensor(v) for i, s in state.items() for k, v in s.items()}
 
 
-@pytest.mark.slow
 def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ckpt, rl_set, tmp_path,  # noqa: F811
                                                                          monkeypatch):
     """Step 2 samples only placeholder ids (scored as text, never trained): its mini-batches hold no loss
