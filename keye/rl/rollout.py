@@ -281,7 +281,14 @@ class LocalRollout:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; later samples continue the saved random stream."""
+        """Restore :meth:`state_dict`; later samples continue the saved random stream.
+
+        Raises:
+            KeyeConfigError: ``state`` was written by another engine kind.
+        """
+        if "generator" not in state:
+            raise KeyeConfigError(f"the saved rollout state {sorted(state)} is not a local engine's: resume with the "
+                                  "rollout.engine the run was started with")
         self.generator.set_state(state["generator"])
 
     def prepare(self, prompts: Sequence[RLPrompt]) -> list[PromptInputs]:
@@ -390,7 +397,14 @@ class VLLMRollout:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`: later calls continue the saved seed sequence. ``weight_version`` is
-        left alone (this engine still holds what it was built from or last synced)."""
+        left alone (this engine still holds what it was built from or last synced).
+
+        Raises:
+            KeyeConfigError: ``state`` was written by another engine kind.
+        """
+        if "calls" not in state:
+            raise KeyeConfigError(f"the saved rollout state {sorted(state)} is not a vLLM engine's: resume with the "
+                                  "rollout.engine the run was started with")
         self._calls = int(state["calls"])
 
     def prepare(self, prompts: Sequence[RLPrompt]) -> list[PromptInputs]:

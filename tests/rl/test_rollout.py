@@ -199,3 +199,36 @@ def test_sampled_placeholder_ids_are_scored_as_decoded(tiny_model, rl_processor)
                               rope_deltas=deltas)
     expect = torch.stack(expect, 1) * resp_att
     torch.testing.assert_close(out.logp, expect, atol=2e-4, rtol=1e-4)
+
+
+def test_vllm_rollout_weight_version_and_engine_state(monkeypatch, tiny_model, rl_processor):
+    """``sync_weights`` pushes the trainer's tensors by name and sets the served version (default: one more
+    than before); a checkpointed rollout state of the other engine kind is refused with a clear error
+    (e.g. a run resumed with another ``rollout.engine``), not a KeyError."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+
+    class _LLM:  # what sync_weights uses of vllm.LLM: apply_model(fn) runs fn on the worker's model
+        def __init__(self):
+            self.loaded: list[dict[str, torch.Tensor]] = []
+
+        def apply_model(self, fn):
+            return [fn(self)]
+
+        def load_weights(self, items):
+            self.loaded.append(dict(items))
+
+    llm = _LLM()
+    vllm_engine = VLLMRollout(llm, rl_processor, seed=5)
+    assert vllm_engine.weight_version == 0 and vllm_engine.state_dict() == {"calls": 0}
+    assert vllm_engine.sync_weights({"w": torch.ones(2)}) == 1 and vllm_engine.weight_version == 1
+    vllm_engine.sync_weights({"w": torch.zeros(2)}, version=7)
+    assert vllm_engine.weight_version == 7 and torch.equal(llm.loaded[-1]["w"], torch.zeros(2))
+    local = LocalRollout(tiny_model, rl_processor, seed=1)
+    with pytest.raises(KeyeConfigError, match="rollout.engine"):
+        vllm_engine.load_state_dict(local.state_dict())
+    with pytest.raises(KeyeConfigError, match="rollout.engine"):
+        local.load_state_dict(vllm_engine.state_dict())
+    vllm_engine.load_state_dict({"calls": 4})
+    assert vllm_engine.state_dict() == {"calls": 4} and vllm_engine.weight_version == 7
