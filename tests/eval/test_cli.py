@@ -8,8 +8,9 @@ import sys
 
 from keye.cli import build_parser, main
 from keye.eval import cli as eval_cli
+from tests.paths import REPO_ROOT
 
-from .conftest import REPO_ROOT, CannedEngine
+from .conftest import CannedEngine
 
 MMMU_ANSWERS = {
     "Which colour": "<think>it looks red</think>\n\n(A)",  # gold A: correct
