@@ -522,3 +522,9 @@ def tiny_config(variant: Variant = "preview", **overrides: Any) -> KeyeVLConfig:
     )
     kw.update(overrides)
     return KeyeVLConfig(**kw)
+
+
+# This module imports transformers: finish the auto-class registration if it was waiting on us (keye/__init__).
+import keye as _keye  # noqa: E402
+
+_keye._register()

@@ -937,3 +937,9 @@ def _plan_placement(model: KeyeVL, device, device_map, max_memory, dtype: torch.
                                          dtype=dtype, low_zero=device_map == "balanced_low_0")
     plan = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
     return _Placement(torch.device("cpu"), dict(plan))
+
+
+# This module imports transformers: finish the auto-class registration if it was waiting on us (keye/__init__).
+import keye as _keye  # noqa: E402
+
+_keye._register()

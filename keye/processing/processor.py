@@ -605,3 +605,9 @@ class KeyeProcessor:
 class KeyeVL1_5Processor(KeyeProcessor):  # noqa: N801 - the official processor_class name
     """:class:`KeyeProcessor` under the official 1.5 name (``processor_class`` of Keye-VL-1.5's
     ``preprocessor_config.json``), so that ``transformers.AutoProcessor`` resolves that name to Keye."""
+
+
+# This module imports transformers: finish the auto-class registration if it was waiting on us (keye/__init__).
+import keye as _keye  # noqa: E402
+
+_keye._register()
