@@ -417,8 +417,12 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
     from keye.model.weights import iter_tensors
 
     model = wrapped.model
-    official = {name: handle.get_tensor(name) for name, _, handle in iter_tensors(ckpt_dir / "model")}
-    if (ckpt_dir / "master.safetensors").is_file():
+    # Under DeepSpeed the engine's own checkpoint restores the weights (below); the export is then read only
+    # to check a LoRA base, not loaded on every rank for nothing.
+    need_export = lora or not wrapped.is_deepspeed
+    official = ({name: handle.get_tensor(name) for name, _, handle in iter_tensors(ckpt_dir / "model")}
+                if need_export else {})
+    if need_export and (ckpt_dir / "master.safetensors").is_file():
         from safetensors.torch import load_file
 
         official.update(load_file(str(ckpt_dir / "master.safetensors")))  # exact float32 trainable weights
@@ -442,10 +446,11 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
                 full[key] = official[key]
         _check_lora_base(ckpt_dir, merged_state_dict(model, full), official, base)
         official = full
+    blob = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
     if wrapped.is_deepspeed:
-        # engine.load_checkpoint below restores the weights from DeepSpeed's own (fp32 master) state; under
-        # ZeRO-3 the module's parameters are partitioned, so a full-tensor copy would not even fit.
-        pass
+        # DeepSpeed's own checkpoint restores the weights from its (fp32 master) state; under ZeRO-3 the
+        # module's parameters are partitioned, so a full-tensor copy would not even fit.
+        wrapped.engine.load_checkpoint(str(ckpt_dir / "deepspeed"), tag="state")
     elif wrapped.strategy == "fsdp2":
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -454,16 +459,11 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
         )
 
         set_model_state_dict(model, official, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizer, blob["optimizer"], options=StateDictOptions(full_state_dict=True))
     else:
         with torch.no_grad():
             for k, v in model.state_dict().items():
                 v.copy_(official[k])
-    blob = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
-    if wrapped.is_deepspeed:
-        wrapped.engine.load_checkpoint(str(ckpt_dir / "deepspeed"), tag="state")
-    elif wrapped.strategy == "fsdp2":
-        set_optimizer_state_dict(model, optimizer, blob["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
         optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     own_loader = ckpt_dir / f"loader_rank{info.rank}.pt"
