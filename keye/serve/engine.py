@@ -148,7 +148,7 @@ class BatchEngine:
         try:
             self._queue.put_nowait(None)
         except queue.Full:
-            pass
+            pass  # no room for the wake-up marker: the thread is busy and sees _closed after the queued jobs
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ thread
