@@ -29,7 +29,7 @@ from _memory import PeakRSS
 
 from keye.config import TextConfig, VisionConfig, tiny_config
 from keye.model import vision as vision_mod
-from keye.testing.model import init_unit_scale
+from keye.testing.model import init_unit_scale, qwen3_twin
 
 GRIDS = [(1, 24, 32), (1, 16, 16), (1, 8, 40), (1, 32, 20), (1, 12, 12), (1, 20, 28), (1, 4, 6), (1, 28, 24)]
 
@@ -171,25 +171,6 @@ def part_e(model, repeats):
               f"(speed ratio {own / hf:.2f})")
     print(f"(e) generate speed, transformers path / previous loop (median over batch 1 and 4): "
           f"{statistics.median(ratios):.2f}x")
-
-
-def qwen3_twin(model):
-    """transformers' Qwen3ForCausalLM holding ``model``'s decoder weights (same dtype, same attention kernel)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    t = model.config.text
-    cfg = Qwen3Config(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta}, tie_word_embeddings=False,
-        attention_bias=False, attn_implementation="sdpa", pad_token_id=model.generation_config.pad_token_id,
-        bos_token_id=model.generation_config.bos_token_id, eos_token_id=model.generation_config.eos_token_id,
-    )
-    hf = Qwen3ForCausalLM(cfg).eval()
-    hf.load_state_dict({k: v for k, v in model.state_dict().items() if k.startswith(("model.", "lm_head."))},
-                       strict=False)
-    return hf
 
 
 @torch.no_grad()

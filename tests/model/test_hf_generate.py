@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import keye
 from keye.model.generation import apply_repetition_penalty
-from keye.testing.model import make_tiny_model
+from keye.testing.model import make_tiny_model, qwen3_twin
 from tests.model.test_golden import _kwargs
 
 IMG, VS, VE, PAD = 492, 489, 490, 480
@@ -25,21 +25,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def qwen3(tiny):
     """transformers' Qwen3ForCausalLM holding the tiny model's decoder weights."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    t = tiny.config.text
-    cfg = Qwen3Config(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta}, tie_word_embeddings=False,
-        attention_bias=False, bos_token_id=PAD, eos_token_id=482, pad_token_id=PAD,
-    )
-    hf = Qwen3ForCausalLM(cfg).eval()
-    ours = {k: v for k, v in tiny.state_dict().items() if k.startswith(("model.", "lm_head."))}
-    missing, unexpected = hf.load_state_dict(ours, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing)
-    return hf
+    return qwen3_twin(tiny, bos_token_id=PAD, eos_token_id=482, pad_token_id=PAD)
 
 
 @pytest.fixture(scope="module")

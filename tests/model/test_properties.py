@@ -10,7 +10,7 @@ import torch
 from keye import KeyeVL
 from keye.config import KeyeVLConfig, tiny_config
 from keye.errors import KeyeConfigError, KeyeInputError, KeyeWeightsError
-from keye.testing.model import init_unit_scale, make_tiny_model
+from keye.testing.model import init_unit_scale, make_tiny_model, qwen3_twin
 
 IMG, VID, VS, VE = 492, 493, 489, 490
 
@@ -46,20 +46,7 @@ def tiny15():
 
 # ------------------------------------------------------------------------------ reference parity
 def test_text_logits_equal_transformers_qwen3(tiny):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    t = tiny.config.text
-    hf_cfg = Qwen3Config(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta}, tie_word_embeddings=False,
-        attention_bias=False,
-    )
-    hf = Qwen3ForCausalLM(hf_cfg).eval()
-    ours = {k: v for k, v in tiny.state_dict().items() if k.startswith(("model.", "lm_head."))}
-    missing, unexpected = hf.load_state_dict(ours, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing)
+    hf = qwen3_twin(tiny)  # checks that every decoder tensor maps onto Qwen3's
     ids = _prompt([40], seed=3)
     mask = torch.ones_like(ids)
     mask_padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), mask], 1)
