@@ -75,7 +75,15 @@ class ProbeCache:
         if self._conn is None or self._pid != os.getpid():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(str(self.path), timeout=60.0, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
+            # WAL lets readers and a writer of several ranks / workers share the file. Switching to it needs
+            # an exclusive lock and fails at once ("database is locked", no busy wait) while another process
+            # uses the file; the mode persists in the file, so only switch when it is not WAL yet, and treat a
+            # lost race as harmless (the default journal is slower, not wrong).
+            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                try:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                except sqlite3.OperationalError:
+                    pass
             conn.execute("CREATE TABLE IF NOT EXISTS kv (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
             conn.commit()
             self._conn, self._pid = conn, os.getpid()

@@ -83,9 +83,13 @@ def test_pack_ffd_never_splits_and_respects_budget(lengths, budget):
     rows = pack_ffd(lengths, budget)
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in r) <= budget for r in rows)
-    # FFD uses at most 11/9 OPT + 1 rows; OPT >= ceil(total / budget) and >= the items over half the budget.
-    lower = max(-(-sum(lengths) // budget), sum(1 for x in lengths if 2 * x > budget))
-    assert len(rows) <= 11 / 9 * lower + 1
+    # FFD's 11/9 OPT bound cannot be checked against a lower bound of OPT (lengths [29, 29, 43, 72, 72, 72, 72]
+    # in rows of 100 need 6 rows, optimally, while the bounds give 4). What first-fit does guarantee: a new row
+    # opens only when the item fits in no open row, so any two rows together exceed the budget, hence fewer
+    # than 2 * total / budget + 1 rows.
+    loads = sorted(sum(lengths[i] for i in r) for r in rows)
+    assert len(loads) < 2 or loads[0] + loads[1] > budget
+    assert len(rows) < 2 * sum(lengths) / budget + 1
 
 
 def test_pack_and_bucket_errors_and_shapes():
