@@ -27,6 +27,15 @@ Aggregation (``loss_agg``) over the mask:
 the whole optimiser step (every micro-batch on every rank), so that summing the micro-batch losses (and
 all-reducing gradients by sum) gives exactly the full-batch loss; only sequences with at least one masked
 token count as sequences.
+
+Truncated importance sampling (TIS) for the rollout-engine / learner mismatch: the rollout engine (vLLM in
+bf16, other kernels) samples from ``pi_rollout``, slightly different from the learner's ``pi_old`` that the
+ratio above is taken against. With ``tis_cap = C`` each token's policy-gradient term is multiplied by
+``w = sg(min(exp(old_logp - rollout_logp), C))``, verl's ``tis_imp_ratio_cap`` (verl PR #2953,
+``compute_policy_loss_vanilla``: ``tis_imp_ratio = torch.exp(old_log_prob - rollout_log_probs)``,
+``torch.clamp(tis_imp_ratio, max=tis_imp_ratio_cap)``, ``pg_losses = pg_losses * tis_imp_ratio``, applied after
+the dual clip and before aggregation), after "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training" (F. Yao et al., 2025). The KL and entropy terms are not reweighted (as verl).
 """
 
 from __future__ import annotations
@@ -135,6 +144,9 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     max_log_ratio: float = 20.0,
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    has_rollout_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of one (micro-)batch.
 
@@ -153,13 +165,24 @@ def policy_loss(
             ``kl_coef > 0`` the estimator must be one of ``KL_LOSS_ESTIMATORS`` (k1 is only logged).
         entropy: float [B, T] per-token entropy (for stats, and an entropy bonus if ``entropy_coef > 0``).
         max_log_ratio: token log-ratios are clamped to +-this before ``exp`` (numerical safety).
+        rollout_logp: float [B, T] log-probs the rollout engine reported for the sampled tokens (the
+            distribution it actually sampled from); used only with ``tis_cap``.
+        tis_cap: truncated importance sampling (module doc): multiply each token's policy-gradient term by
+            ``min(exp(old_logp - rollout_logp), tis_cap)`` (no gradient through the weight); must be >= 1.
+            None (default) leaves the loss exactly as without it.
+        has_rollout_logp: bool [B], False for rows whose engine reported no log-probs (replayed samples);
+            their weight is 1, whatever ``rollout_logp`` holds there (collate_samples writes zeros). None:
+            every row has them.
     Returns:
         (loss, stats). ``loss`` is a 0-d tensor: ``pg + kl_coef * kl - entropy_coef * entropy``, each term
         aggregated with ``loss_agg``. ``stats`` (floats over this batch's masked tokens): ``pg_loss``,
         ``clip_frac_high`` (A > 0 and ratio > 1 + eps_high), ``clip_frac_low`` (A < 0 and ratio <
         1 - eps_low), ``clip_frac`` (either), ``dual_clip_frac`` (A < 0 and the dual bound active),
         ``approx_kl`` (k3 estimate of KL(old || new)), ``ratio_mean``, ``ratio_max``, ``ratio_min``,
-        ``num_tokens``, and ``kl`` / ``entropy`` when given.
+        ``num_tokens``, and ``kl`` / ``entropy`` when given. With ``tis_cap``, over the masked tokens of rows
+        that have rollout log-probs: ``tis_weight_mean`` (mean weight after the cap), ``tis_clip_frac``
+        (fraction whose ratio exceeded the cap) and ``rollout_logp_abs_diff`` (mean ``|old_logp -
+        rollout_logp|``, the engine mismatch).
     """
     if ratio_level not in RATIO_LEVELS:
         raise KeyeConfigError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
@@ -172,6 +195,15 @@ def policy_loss(
             f"kl_estimator {kl_estimator!r} cannot be a loss term (kl_coef={kl_coef}): k1's expected gradient is "
             f"zero; use one of {KL_LOSS_ESTIMATORS}"
         )
+    if tis_cap is not None:
+        if not tis_cap >= 1.0:
+            raise KeyeConfigError(
+                f"tis_cap must be >= 1 (or None), got {tis_cap}: a cap below 1 scales down every token, on-policy ones "
+                "included"
+            )
+        if rollout_logp is None:
+            raise KeyeInputError("tis_cap is set but rollout_logp is None: the correction needs the rollout engine's "
+                                 "log-probs (collate_samples puts them in batch['rollout_logp'])")
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise KeyeInputError(
             f"logp, old_logp and mask must all be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
@@ -205,6 +237,10 @@ def policy_loss(
         bound = -adv * dual_clip
         dual_active = neg & (pg > bound)
         pg = torch.where(neg, torch.minimum(pg, bound), pg)
+    tis = None
+    if tis_cap is not None:
+        tis = _tis_weights(old_logp, rollout_logp, has_rollout_logp, float(tis_cap))
+        pg = pg * tis[0].to(pg.dtype)
 
     agg_kw = dict(global_token_count=global_token_count, global_seq_count=global_seq_count,
                   loss_scale_factor=loss_scale_factor)
@@ -247,4 +283,31 @@ def policy_loss(
             ratio_min=float(r[sel].min()) if bool(sel.any()) else 1.0,
             num_tokens=float(m.sum()),
         )
+        if tis is not None:
+            w, raw, rows = tis
+            sel_w = m * rows[:, None].to(m.dtype)
+            stats.update(
+                tis_weight_mean=_masked_mean(w.to(m.dtype), sel_w),
+                tis_clip_frac=_masked_mean((raw > tis_cap).to(m.dtype), sel_w),
+                rollout_logp_abs_diff=_masked_mean((old_logp - rollout_logp.detach().to(old_logp)).abs(), sel_w),
+            )
     return loss, stats
+
+
+def _tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, has_rollout_logp: torch.Tensor | None,
+                 cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(capped weights [B, T], uncapped ratios [B, T], rows with rollout log-probs bool [B]); no gradient."""
+    if rollout_logp.shape != old_logp.shape:
+        raise KeyeInputError(f"rollout_logp has shape {tuple(rollout_logp.shape)}, logp {tuple(old_logp.shape)}")
+    b = old_logp.shape[0]
+    if has_rollout_logp is None:
+        rows = torch.ones(b, dtype=torch.bool, device=old_logp.device)
+    else:
+        if has_rollout_logp.shape != (b,):
+            raise KeyeInputError(f"has_rollout_logp must be [B={b}], got {tuple(has_rollout_logp.shape)}")
+        rows = has_rollout_logp.to(device=old_logp.device, dtype=torch.bool)
+    with torch.no_grad():
+        # verl's form: exp first, then clamp (an overflow to inf clamps to the cap)
+        raw = torch.exp(old_logp.detach() - rollout_logp.detach().to(old_logp))
+        w = torch.where(rows[:, None], raw.clamp(max=cap), torch.ones_like(raw))
+    return w, raw, rows
