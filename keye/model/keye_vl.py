@@ -66,6 +66,7 @@ class KeyeOutput(ModelOutput):
     cache (also readable as ``past_key_values``): the KV cache when ``use_cache`` (a :class:`KVCache`,
         or the transformers ``Cache`` that was passed in).
     hidden_states: final normed hidden states [B, L, D] when ``output_hidden_states``.
+    token_logp / token_entropy: results of a ``logprob_request`` (float32 [K] / [U] or None).
     """
 
     logits: torch.Tensor | None = None
@@ -75,6 +76,8 @@ class KeyeOutput(ModelOutput):
     position_ids: torch.Tensor | None = None
     cache: Any = None
     hidden_states: torch.Tensor | None = None
+    token_logp: torch.Tensor | None = None
+    token_entropy: torch.Tensor | None = None
 
     @property
     def past_key_values(self) -> Any:
@@ -91,6 +94,12 @@ _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "vide
                   "num_frames")
 # Keyword arguments Keye's own decoding loop understands (its GenerationConfig fields and model inputs).
 _KEYE_LOOP_KWARGS = frozenset(GenerationConfig.__dataclass_fields__) | frozenset(_VISION_KWARGS) | {"labels"}
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether the module's weights are sharded across ranks (FSDP2 DTensors or DeepSpeed ZeRO-3)."""
+    p = next(module.parameters(), None)
+    return p is not None and (hasattr(p, "full_tensor") or hasattr(p, "ds_id"))
 
 
 def _check_decoding_args(kwargs: dict[str, Any]) -> None:
@@ -289,10 +298,10 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         """Token embeddings with image/video features written into their placeholder slots.
 
         Images and videos go through the tower in **one** packed call (attention stays block-diagonal
-        per item, so this equals separate calls). In training with ``always_run_vision`` set (done by
-        the recipes for DDP/FSDP/ZeRO), a batch without pixels still runs the tower on one dummy item
-        whose output is added with weight 0: every rank then runs the same modules in the same order,
-        which sharded and data-parallel training require.
+        per item, so this equals separate calls). With ``always_run_vision`` set (done by the recipes for
+        DDP/FSDP/ZeRO), a batch without pixels still runs the tower on one dummy item whose output is added
+        with weight 0 - in training, and in evaluation too when the weights are sharded (every forward
+        gathers them collectively): every rank then runs the same modules in the same order.
         """
         embeds = self.model.embed_tokens(input_ids)
         for pix, tok, kind in ((pixel_values, self.config.image_token_id, "image"),
@@ -312,7 +321,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             grids += g
             counts.append(("video", len(g)))
         if not pieces:
-            if self.training and getattr(self, "always_run_vision", False):
+            if getattr(self, "always_run_vision", False) and (self.training or _sharded(self)):
                 m = self.config.vision.spatial_merge_size
                 p = self.config.vision.patch_size
                 dummy = torch.zeros(m * m, self.config.vision.num_channels, p, p, device=embeds.device)
@@ -381,6 +390,8 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         attention_override=None,
         cache: Cache | KVCache | None = None,
         return_dict: bool | None = None,
+        logprob_request: Any = None,
+        text_token_mask: torch.Tensor | None = None,
     ) -> KeyeOutput:
         """One forward pass.
 
@@ -409,6 +420,13 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             cache: transformers' name for ``past_key_values`` (what ``generate`` passes); either a
                 :class:`KVCache` or a transformers ``Cache`` (``DynamicCache``, ``StaticCache``, ...).
             return_dict: accepted for transformers compatibility; the result is always a :class:`KeyeOutput`.
+            logprob_request: a :class:`keye.rl.logprobs.LogprobRequest`: per-token log-probs (and entropies)
+                of chosen hidden positions computed here, chunk by chunk, instead of full logits
+                (``logits`` is then None, results in ``token_logp`` / ``token_entropy``). Inside the
+                forward because sharded training (FSDP2, ZeRO-3) only materialises ``lm_head`` there.
+            text_token_mask: bool [B, L]: positions whose id is an image/video placeholder but that were
+                *sampled* as text (a rollout that emitted ``<|image_pad|>``): they get their own token
+                embedding and ordinary text positions, as during decoding.
         """
         del num_frames, return_dict
         if cache is not None and past_key_values is not None and cache is not past_key_values:
@@ -425,9 +443,16 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             if cache is not None:
                 raise KeyeInputError("packed sequences (seq_lens) cannot be used with a KV cache")
 
+        pos_ids = input_ids
+        if text_token_mask is not None and input_ids is not None and bool(text_token_mask.any()):
+            # any non-placeholder id: only "is it vision" matters for positions and the feature scatter
+            pos_ids = input_ids.masked_fill(text_token_mask.to(input_ids.device), 0)
         if inputs_embeds is None:
             if past == 0:
-                inputs_embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+                inputs_embeds = self.embed(pos_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+                if pos_ids is not input_ids:
+                    raw = self.model.embed_tokens(input_ids)
+                    inputs_embeds = torch.where(text_token_mask.to(raw.device)[..., None], raw, inputs_embeds)
             else:
                 inputs_embeds = self.model.embed_tokens(input_ids)
         bsz, seq = inputs_embeds.shape[:2]
@@ -435,7 +460,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         if position_ids is None:
             if past == 0 and input_ids is not None:
                 position_ids, rope_deltas = self.get_rope_index(
-                    input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                    pos_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
                     None if packed else attention_mask, seq_lens if packed else None,
                 )
             else:
@@ -455,8 +480,13 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             key_mask = None
         hidden = self.model(inputs_embeds, cos, sin, key_mask, cache, cu_seqlens, attention_override)
 
-        keep = hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:]
-        logits = self.lm_head(keep)
+        token_logp = token_entropy = None
+        if logprob_request is not None:
+            token_logp, token_entropy = logprob_request.compute(hidden, self.lm_head)
+            logits = None
+        else:
+            keep = hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:]
+            logits = self.lm_head(keep)
 
         loss = None
         n_target = None
@@ -465,7 +495,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             if packed:
                 ends = cu_seqlens[1:-1].long() - 1  # last token of each sample but the final one
                 shift_labels[0, ends] = -100
-            full_logits = logits if logits_to_keep <= 0 else self.lm_head(hidden)
+            full_logits = logits if logits is not None and logits_to_keep <= 0 else self.lm_head(hidden)
             shift_logits = full_logits[:, :-1].float()
             n_target = int((shift_labels != -100).sum())
             loss = F.cross_entropy(
@@ -486,6 +516,8 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             position_ids=position_ids,
             cache=cache,
             hidden_states=hidden if output_hidden_states else None,
+            token_logp=token_logp,
+            token_entropy=token_entropy,
         )
 
     # ----------------------------------------------------------------------------- generation

@@ -210,6 +210,31 @@ def chunked_token_logprobs(
     return logp, (torch.cat(pieces_ent) if with_entropy else None)
 
 
+@dataclass
+class LogprobRequest:
+    """What :meth:`keye.KeyeVL.forward` should score instead of returning logits.
+
+    ``index`` int [U]: flat positions into the forward's hidden states viewed as [B * L, D] (the predicting
+    positions); ``rows`` int [K]: which of those U rows predicts target k; ``labels`` int [K]: target ids.
+    The forward returns ``token_logp`` float32 [K] and ``token_entropy`` float32 [U] (with ``with_entropy``).
+    Computing this inside the forward matters for sharded models: FSDP2 and ZeRO-3 gather ``lm_head`` only
+    while the forward runs.
+    """
+
+    index: torch.Tensor
+    rows: torch.Tensor
+    labels: torch.Tensor
+    temperature: float = 1.0
+    chunk_size: int | None = DEFAULT_CHUNK_TOKENS
+    with_entropy: bool = False
+
+    def compute(self, hidden: torch.Tensor, head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs / entropies from the forward's final hidden states [B, L, D] and its ``lm_head``."""
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.index.to(hidden.device))
+        return chunked_token_logprobs(h, self.rows, self.labels, head, temperature=self.temperature,
+                                      with_entropy=self.with_entropy, chunk_size=self.chunk_size)
+
+
 def _stray_placeholders(core, responses: torch.Tensor, resp_att: torch.Tensor) -> torch.Tensor | None:
     """bool [B, N] of attended response tokens that are image/video placeholder ids, or None if there are none."""
     ids = [getattr(core.config, k, None) for k in ("image_token_id", "video_token_id")]
@@ -218,26 +243,6 @@ def _stray_placeholders(core, responses: torch.Tensor, resp_att: torch.Tensor) -
         return None
     stray = torch.isin(responses, ids) & resp_att.bool()
     return stray if bool(stray.any()) else None
-
-
-def _text_placeholder_inputs(core, ids, att, prompt_len, stray, vision) -> dict:
-    """Forward inputs for responses that contain sampled ``<|image_pad|>`` / ``<|video_pad|>`` ids.
-
-    During decoding such a token is an ordinary text token: its own embedding, the next text position.
-    The full-sequence forward would instead count it as a vision placeholder (feature scatter and 3-D
-    positions). So positions are computed with those ids masked to a text id, and the embeddings are the
-    prompt's (with vision features) plus the raw token embeddings of the response, exactly as decoded.
-    """
-    text_ids = ids.clone()
-    text_ids[:, prompt_len:][stray] = 0  # any non-placeholder id: only "is it vision" matters here
-    vis = {k: v for k, v in vision.items()}
-    pos, _ = core.get_rope_index(text_ids, vis.get("image_grid_thw"), vis.get("video_grid_thw"),
-                                 vis.get("second_per_grid_ts"), att)
-    prompt_emb = core.embed(text_ids[:, :prompt_len], vis.get("pixel_values"), vis.get("image_grid_thw"),
-                            vis.get("pixel_values_videos"), vis.get("video_grid_thw"))
-    resp_emb = core.model.embed_tokens(ids[:, prompt_len:])
-    return dict(input_ids=ids, attention_mask=att, position_ids=pos,
-                inputs_embeds=torch.cat([prompt_emb, resp_emb], dim=1))
 
 
 def token_logprobs(
@@ -300,7 +305,8 @@ def token_logprobs(
     fwd: dict = dict(input_ids=ids, attention_mask=att, **vision)
     stray = _stray_placeholders(core, responses.to(device), resp_att.to(device))
     if stray is not None:
-        fwd = _text_placeholder_inputs(core, ids, att, prompt_len, stray, vision)
+        # sampled placeholder ids were text during decoding: own embedding, text positions
+        fwd["text_token_mask"] = torch.cat([torch.zeros_like(input_ids, dtype=torch.bool, device=device), stray], 1)
     keep = resp_att.to(device).bool()
     if chunk_size is None:
         out = model(logits_to_keep=n + 1, **fwd)
@@ -313,12 +319,14 @@ def token_logprobs(
     else:
         if chunk_size < 1:
             raise KeyeInputError(f"chunk_size must be >= 1 or None, got {chunk_size}")
-        out = model(logits_to_keep=1, output_hidden_states=True, **fwd)
         # only attended response positions: padding after the EOS costs no vocabulary-wide work
-        hidden = out.hidden_states[:, prompt_len - 1 : prompt_len + n - 1][keep]
-        k = hidden.shape[0]
-        lp, en = chunked_token_logprobs(hidden, torch.arange(k, device=device), labels[keep], core.lm_head,
-                                        temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+        total = ids.shape[1]
+        bi, ji = keep.nonzero(as_tuple=True)
+        index = bi * total + (prompt_len - 1) + ji
+        request = LogprobRequest(index, torch.arange(index.numel(), device=device), labels[keep], temperature,
+                                 chunk_size, with_entropy)
+        out = model(logprob_request=request, **fwd)
+        lp, en = out.token_logp, out.token_entropy
         logp = torch.zeros(b, n, device=device, dtype=lp.dtype).masked_scatter(keep, lp)
         ent = torch.zeros(b, n, device=device, dtype=lp.dtype).masked_scatter(keep, en) if with_entropy else None
     logp = torch.where(keep, logp, torch.zeros_like(logp))

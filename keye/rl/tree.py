@@ -71,7 +71,7 @@ import torch.nn.functional as F
 
 from keye.errors import KeyeInputError
 from keye.model.rope import get_rope_index
-from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
+from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS, LogprobRequest
 
 __all__ = [
     "VisionInputs",
@@ -547,27 +547,6 @@ def concat_trees(trees: Sequence[TreeBatch]) -> TreeBatch:
 
 
 # ------------------------------------------------------------------------------------ log-probs
-def _gather_logprobs(
-    model: Any,
-    hidden: torch.Tensor,
-    pred: torch.Tensor,
-    target_ids: torch.Tensor,
-    temperature: float,
-    entropy: bool,
-    chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target | hidden[pred]) with each distinct predicting position computed once, in chunks.
-
-    hidden: [N, D]; pred, target_ids: int [K]. Returns logp [K] (float32) and entropy [K] or None. The
-    vocabulary-wide work runs ``chunk_size`` distinct positions at a time, recomputed in the backward
-    (:func:`keye.rl.logprobs.chunked_token_logprobs`), so no [K, vocab] tensor is kept.
-    """
-    uniq, inv = torch.unique(pred, return_inverse=True)
-    logp, ent = chunked_token_logprobs(hidden.index_select(0, uniq), inv, target_ids, model.lm_head,
-                                       temperature=temperature, with_entropy=entropy, chunk_size=chunk_size)
-    return logp, (ent[inv] if entropy else None)
-
-
 def tree_logprobs(
     model: Any,
     tree: TreeBatch,
@@ -606,19 +585,22 @@ def tree_logprobs(
         override = TreeAttention(tree)
     else:
         override = reference_tree_attention(tree.dense_mask().to(device))
+    mask = tree.loss_mask
+    flat_pred = tree.pred_index[mask]
+    flat_tgt = tree.input_ids[0, tree.target_index[mask]]
+    # each distinct predicting position is scored once (one token may predict several children), in
+    # chunks recomputed in the backward: no [K, vocab] tensor is kept (chunked_token_logprobs)
+    uniq, inv = torch.unique(flat_pred, return_inverse=True)
+    request = LogprobRequest(uniq, inv, flat_tgt, temperature, chunk_size, entropy)
     out = model(
         tree.input_ids,
         position_ids=tree.position_ids,
         attention_override=override,
-        output_hidden_states=True,
-        logits_to_keep=1,
+        logprob_request=request,
         **tree.vision.as_kwargs(),
     )
-    hidden = out.hidden_states[0]
-    mask = tree.loss_mask
-    flat_pred = tree.pred_index[mask]
-    flat_tgt = tree.input_ids[0, tree.target_index[mask]]
-    logp_flat, ent_flat = _gather_logprobs(model, hidden, flat_pred, flat_tgt, temperature, entropy, chunk_size)
+    logp_flat = out.token_logp
+    ent_flat = out.token_entropy[inv] if entropy else None
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, logp_flat)
     if not entropy:
         return logp, mask
@@ -665,11 +647,12 @@ def sequence_logprobs(
     for s, mk, vis in zip(seqs, masks, visions):
         vis = (vis or VisionInputs()).to(device)
         ids = torch.tensor([s], dtype=torch.long, device=device)
-        out = model(ids, output_hidden_states=True, logits_to_keep=1, **vis.as_kwargs())
         tgt_pos = torch.nonzero(mk, as_tuple=False).reshape(-1).to(device)
-        logp, ent = _gather_logprobs(
-            model, out.hidden_states[0], tgt_pos - 1, ids[0, tgt_pos], temperature, entropy, chunk_size
-        )
+        pred = tgt_pos - 1
+        request = LogprobRequest(pred, torch.arange(pred.numel(), device=device), ids[0, tgt_pos], temperature,
+                                 chunk_size, entropy)
+        out = model(ids, **vis.as_kwargs(), logprob_request=request)
+        logp, ent = out.token_logp, out.token_entropy
         rows.append(F.pad(logp, (0, t_max - logp.numel())))
         if entropy:
             ent_rows.append(F.pad(ent, (0, t_max - ent.numel())))

@@ -58,21 +58,16 @@ from keye.rl import (
     RLPrompt,
     RolloutSample,
     VLLMRollout,
-    accumulate_policy_gradients,
     add_replay,
     assign_advantages,
     collate_prompts,
-    collate_samples,
     dynamic_sample,
-    fill_logprobs,
     filter_prompts,
-    group_minibatches,
     load_rl_prompts,
-    policy_loss,
     response_lengths,
     set_scores,
-    token_logprobs,
 )
+from keye.rl.learner import reduce_sums
 from keye.rl.losses import KL_LOSS_ESTIMATORS
 from keye.rl.sampling import group_signal
 from keye.tiny import resolve_model_path
@@ -81,11 +76,8 @@ from keye.train.config import dump_config, load_config, to_dict
 from keye.train.sft import (
     MetricsWriter,
     ModelSection,
-    apply_freezing,
     list_checkpoints,
     load_checkpoint,
-    lr_lambda,
-    param_groups,
     prune_checkpoints,
     save_checkpoint,
 )
@@ -116,6 +108,8 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     max_batch_size: int = 64  # sequences decoded together (local engine)
+    sync_bytes: int = 512 * 2**20  # weight shards sent to the rollout engine after each update
+    colocate: bool = True  # vllm: sleep between rollouts (frees the GPU memory the learner needs)
 
 
 @dataclass
@@ -149,6 +143,12 @@ class AlgorithmSection:
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     reference: bool = False  # keep a frozen reference model (needed for kl_coef > 0; KL is logged when kl_coef > 0)
     reference_path: str | None = None  # default: model.path
+    # where the reference model lives: auto (sharded like the policy under fsdp2/zero3, else on the device),
+    # sharded, cpu (no accelerator memory; slower) or device
+    reference_placement: Literal["auto", "sharded", "cpu", "device"] = "auto"
+    # truncated importance sampling between the rollout engine and the learner (verl's tis_imp_ratio_cap):
+    # each token's policy-gradient term is weighted by min(exp(old_logp - rollout_logp), tis_cap); None: off
+    tis_cap: float | None = None
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer updates per epoch over the rollout batch (whole groups each)
@@ -196,7 +196,9 @@ class RLTrainSection:
     steps: int = 100  # RL steps (rollout batches)
     grad_clip: float = 1.0
     seed: int = 0
-    strategy: Literal["none", "ddp"] = "none"
+    # none / ddp: replicated policy; fsdp2 / zero3: sharded learner (keye/rl/learner.py)
+    strategy: Literal["none", "ddp", "fsdp2", "zero3"] = "none"
+    deepspeed_config: str | None = None  # zero3: default training/deepspeed/zero3.json
     device: str = "auto"
 
 
@@ -280,6 +282,10 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
     ModeMix.from_config(a.mode_mix)
     if cfg.train.steps < 1:
         raise KeyeConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
+    if a.tis_cap is not None and a.tis_cap < 1.0:
+        raise KeyeConfigError(f"algorithm.tis_cap must be >= 1 (or null to disable), got {a.tis_cap}")
+    if r.sync_bytes < 1:
+        raise KeyeConfigError(f"rollout.sync_bytes must be >= 1, got {r.sync_bytes}")
 
 
 def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
@@ -289,7 +295,8 @@ def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
     factor = a.loss_scale_factor if a.loss_scale_factor is not None else cfg.rollout.max_new_tokens
     return dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
                 loss_agg=a.loss_agg, loss_scale_factor=float(factor), kl_coef=a.kl_coef,
-                kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+                kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+                **({"tis_cap": a.tis_cap} if a.tis_cap is not None else {}))
 
 
 def tree_enabled(cfg: RLEPConfig) -> bool:
@@ -383,20 +390,10 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def _reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum a dict of floats over ranks (same keys on every rank)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return values
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
-
-
 def _dynsample_stats(res: Any, device: torch.device) -> dict[str, float]:
     """All-rank dynamic-sampling metrics (collective): groups generated and dropped summed over ranks, the
     kept fraction of those sums, and the rounds of the slowest rank."""
-    g = _reduce_sums({"generated": float(res.generated), "dropped": float(res.dropped)}, device)
+    g = reduce_sums({"generated": float(res.generated), "dropped": float(res.dropped)}, device)
     rounds = max(_all_gather(int(res.rounds)))
     kept = (g["generated"] - g["dropped"]) / g["generated"] if g["generated"] else 0.0
     return {"dynsample/rounds": float(rounds), "dynsample/generated": g["generated"],
@@ -405,176 +402,6 @@ def _dynsample_stats(res: Any, device: torch.device) -> dict[str, float]:
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**62)
-
-
-# ---------------------------------------------------------------------------------- tree passes
-def _placeholder_ids(core: Any) -> list[int]:
-    return [int(getattr(core.config, k)) for k in ("image_token_id", "video_token_id") if getattr(core.config, k, None) is not None]
-
-
-def _loss_token_count(samples: Sequence[RolloutSample], placeholders: list[int]) -> int:
-    """This rank's tokens of ``samples`` that enter the loss (response tokens minus sampled vision
-    placeholder ids), as both accumulation paths count them."""
-    excl = torch.tensor(placeholders, dtype=torch.long)
-    return sum(int((~torch.isin(s.response_ids[: s.num_tokens], excl)).sum()) for s in samples if s.num_tokens > 0)
-
-
-def _tree_ok(group: Sequence[RolloutSample], placeholders: list[int]) -> bool:
-    """A group can be shared unless a response sampled a vision placeholder id (those decode as text, which
-    the tree's vision bookkeeping cannot express; such groups take the padded path)."""
-    ph = torch.tensor(placeholders, dtype=torch.long)
-    return not any(bool(torch.isin(s.response_ids, ph).any()) for s in group)
-
-
-def _group_rows(samples: Sequence[RolloutSample]) -> list[list[RolloutSample]]:
-    """Live samples (with tokens) grouped by ``group``, groups in order of first appearance."""
-    groups: dict[int, list[RolloutSample]] = {}
-    for s in samples:
-        if s.num_tokens > 0:
-            groups.setdefault(s.group, []).append(s)
-    return list(groups.values())
-
-
-def tree_forward(core: Any, groups: Sequence[Sequence[RolloutSample]], *, temperature: float, kernel: str,
-                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Log-probs of every response of ``groups`` from one forest forward (each prompt computed once).
-
-    Returns logp float32 [B, T], mask bool [B, T] and entropy [B, T] (or None); rows follow the groups'
-    samples in order.
-    """
-    from keye.rl.tree import VisionInputs, build_group_tree, concat_trees, tree_logprobs
-
-    dtype = core.lm_head.weight.dtype
-    trees = []
-    for g in groups:
-        inp = g[0].inputs
-        vis = VisionInputs(
-            pixel_values=None if inp.pixel_values is None else inp.pixel_values.to(dtype),
-            image_grid_thw=inp.image_grid_thw,
-            pixel_values_videos=None if inp.pixel_values_videos is None else inp.pixel_values_videos.to(dtype),
-            video_grid_thw=inp.video_grid_thw, second_per_grid_ts=inp.second_per_grid_ts,
-        )
-        trees.append(build_group_tree(core.config, inp.input_ids, [s.response_ids for s in g], vis))
-    out = tree_logprobs(core, concat_trees(trees), kernel=kernel, temperature=temperature, entropy=entropy)
-    return out[0], out[1], (out[2] if entropy else None)
-
-
-@torch.no_grad()
-def tree_fill_logprobs(core: Any, samples: Sequence[RolloutSample], *, pad_id: int, groups_per_micro_batch: int,
-                       temperature: float, kernel: str, target: str = "old_logp", micro_batch_size: int = 8) -> None:
-    """:func:`keye.rl.fill_logprobs` through shared-prefix trees (groups with sampled placeholder ids fall
-    back to the padded path); sets ``sample.<target>``."""
-    was_training = core.training
-    core.eval()
-    try:
-        ph = _placeholder_ids(core)
-        groups = _group_rows(samples)
-        shared = [g for g in groups if _tree_ok(g, ph)]
-        rest = [s for g in groups if not _tree_ok(g, ph) for s in g]
-        for i in range(0, len(shared), groups_per_micro_batch):
-            chunk = shared[i : i + groups_per_micro_batch]
-            logp, _, _ = tree_forward(core, chunk, temperature=temperature, kernel=kernel, entropy=False)
-            for row, s in zip(logp, [s for g in chunk for s in g]):
-                setattr(s, target, row[: s.num_tokens].float().cpu())
-        if rest:
-            fill_logprobs(core, rest, pad_id=pad_id, micro_batch_size=micro_batch_size, temperature=temperature,
-                          target=target)
-    finally:
-        core.train(was_training)
-
-
-def tree_accumulate(core: Any, samples: Sequence[RolloutSample], *, pad_id: int, groups_per_micro_batch: int,
-                    micro_batch_size: int, temperature: float, kernel: str, loss_kwargs: dict[str, Any],
-                    with_entropy: bool = True) -> dict[str, float]:
-    """:func:`keye.rl.accumulate_policy_gradients` with the policy forward over shared-prefix trees.
-
-    Same contract: micro-batch losses normalised by the global token/sequence counts of the mini-batch
-    (all ranks), multiplied by the world size before backward (the caller averages gradients over ranks),
-    same stats. Groups containing sampled vision placeholder ids go through the padded core path.
-    """
-    kwargs = dict(loss_kwargs)
-    use_ref = bool(kwargs.get("kl_coef", 0.0))
-    ph = _placeholder_ids(core)
-    groups = _group_rows(samples)
-    shared = [g for g in groups if _tree_ok(g, ph)]
-    rest = [s for g in groups if not _tree_ok(g, ph) for s in g]
-    excl = torch.tensor(ph, dtype=torch.long)
-    live = [s for g in groups for s in g]
-    loss_tokens = [int((~torch.isin(s.response_ids[: s.num_tokens], excl)).sum()) for s in live]
-    device = core.lm_head.weight.device
-    counts = _reduce_sums({"tok": float(sum(loss_tokens)), "seq": float(sum(1 for k in loss_tokens if k > 0))}, device)
-    n_tok, n_seq = counts["tok"], counts["seq"]
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    totals: dict[str, float] = {}
-    weight_sum = loss_sum = 0.0
-
-    def _add(loss: torch.Tensor, stats: dict[str, float]) -> None:
-        nonlocal weight_sum, loss_sum
-        loss_sum += float(loss.detach())
-        w = stats["num_tokens"]
-        weight_sum += w
-        for k, v in stats.items():
-            if k not in ("num_tokens", "pg_loss", "ratio_max", "ratio_min"):
-                totals[k] = totals.get(k, 0.0) + v * w
-        totals["ratio_max"] = max(totals.get("ratio_max", float("-inf")), stats["ratio_max"])
-        totals["ratio_min"] = min(totals.get("ratio_min", float("inf")), stats["ratio_min"])
-
-    for i in range(0, len(shared), groups_per_micro_batch):
-        chunk = shared[i : i + groups_per_micro_batch]
-        rows = [s for g in chunk for s in g]
-        logp, mask, ent = tree_forward(core, chunk, temperature=temperature, kernel=kernel, entropy=with_entropy)
-        t = logp.shape[1]
-        old = torch.zeros(len(rows), t)
-        ref = torch.zeros(len(rows), t)
-        for j, s in enumerate(rows):
-            old[j, : s.num_tokens] = s.old_logp[: s.num_tokens]
-            if use_ref:
-                ref[j, : s.num_tokens] = s.ref_logp[: s.num_tokens]
-        adv = torch.tensor([float(s.advantage) for s in rows], dtype=torch.float32)
-        loss, stats = policy_loss(logp, old.to(device), adv.to(device), mask, ref_logp=ref.to(device) if use_ref else None,
-                                  entropy=ent, global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
-                                  **kwargs)
-        (loss * world).backward()
-        _add(loss, stats)
-    for i in range(0, len(rest), micro_batch_size):
-        mb = rest[i : i + micro_batch_size]
-        batch = collate_samples(mb, pad_id, ph)
-        out = token_logprobs(core, batch, batch["responses"], batch["response_attention"], temperature=temperature,
-                             with_entropy=with_entropy)
-        loss, stats = policy_loss(
-            out.logp, batch["old_logp"].to(device), batch["advantages"].to(device), batch["response_mask"].to(device),
-            ref_logp=batch["ref_logp"].to(device) if use_ref else None, entropy=out.entropy,
-            global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), **kwargs)
-        (loss * world).backward()
-        _add(loss, stats)
-    result = {k: (v / weight_sum if weight_sum and k not in ("ratio_max", "ratio_min") else v) for k, v in totals.items()}
-    result.update(loss=loss_sum, tokens=n_tok, sequences=n_seq)
-    return result
-
-
-def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
-    """Data parallelism: sum every trainable gradient over ranks and divide by the world size. A gradient
-    missing on some ranks counts as zeros there, so every rank applies the same update; one missing on
-    every rank stays None (as in one process and in DDP: AdamW then leaves the parameter, its moments and
-    its weight decay alone instead of stepping on a zero gradient)."""
-    if world == 1 or not params:
-        return
-    has = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    torch.distributed.all_reduce(has)
-    params = [p for p, n in zip(params, has.tolist()) if n > 0]
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    torch.distributed.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p))
-        offset += n
 
 
 # ---------------------------------------------------------------------------------------- eval
@@ -676,32 +503,30 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
+    from keye.rl.learner import Learner
+
     model_path = resolve_model_path(cfg.model.path)
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if info.device.type == "cuda" else "float32"
-    model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
     processor = KeyeProcessor.from_pretrained(resolve_model_path(cfg.model.processor or cfg.model.path))
-    model.to(info.device)
-    model.train()
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    frozen = apply_freezing(model, cfg.train)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    ref_model = None
-    if cfg.algorithm.reference:
-        ref_path = resolve_model_path(cfg.algorithm.reference_path or cfg.model.path)
-        ref_model = KeyeVL.from_pretrained(ref_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
-        ref_model.to(info.device).eval().requires_grad_(False)
+    learner = Learner(cfg, info, model_path=model_path)
+    model = learner.model
+    frozen = learner.frozen
+    # the policy that samples: the learner's own replicated model, or (sharded learner, local engine) a whole
+    # inference copy on every rank that receives the learner's weights after each update, as vLLM would
+    rollout_model = model
+    if learner.sharded and cfg.rollout.engine == "local":
+        rollout_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
+                                               attn_implementation=cfg.model.attn_implementation)
+        rollout_model.to(info.device).eval().requires_grad_(False)
 
     r = cfg.rollout
     if r.engine == "local":
-        engine: Any = LocalRollout(model, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+        engine: Any = LocalRollout(rollout_model, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                    top_p=r.top_p, top_k=r.top_k, max_batch_size=r.max_batch_size,
                                    seed=_step_seed(cfg.train.seed, 0, info.rank))
     else:
         engine = VLLMRollout(model_path, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                             top_p=r.top_p, top_k=r.top_k, seed=_step_seed(cfg.train.seed, 0, info.rank))
+                             top_p=r.top_p, top_k=r.top_k, seed=_step_seed(cfg.train.seed, 0, info.rank),
+                             colocate=r.colocate)
     spec = RewardSpec.from_dict(cfg.reward.spec)
     scorer = RewardScorer(spec, pass_value=cfg.reward.pass_value)
     eos_id = int(model.config.eos_token_ids[0])
@@ -733,10 +558,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     eval_scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"], "options": _reward_options(cfg.reward.spec)}),
                                pass_value=cfg.reward.pass_value)
 
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.train), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                  weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train, cfg.train.steps))
-    wrapped = kdist.Wrapped(model, model, "none")
+    wrapped, optimizer, scheduler = learner.wrapped, learner.optimizer, learner.scheduler
 
     state: dict[str, Any] = {"step": 0, "losses": [], "rewards": [], "pass_rates": [], "eval_curve": [],
                              "prompt_ids": None, "tokens": 0}
@@ -758,10 +580,18 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         state = load_checkpoint(ckpts[-1], wrapped, optimizer, scheduler, run_state, info, False)
         if info.is_main:
             log.info("resumed from %s at step %d", ckpts[-1], state["step"])
-    if isinstance(engine, VLLMRollout) and engine.weight_version != state["step"]:
+
+    def sync_engine(version: int) -> None:
+        """Send the learner's weights to an engine that holds its own copy (shard by shard, collective)."""
+        if isinstance(engine, VLLMRollout):
+            engine.sync_weights(learner.export_weights(r.sync_bytes), version=version)
+        elif rollout_model is not model:
+            engine.load_weights(learner.export_weights(r.sync_bytes), version=version)
+
+    if getattr(engine, "weight_version", state["step"]) != state["step"]:
         # the engine was built from the start checkpoint: after a resume it must serve the resumed policy
         # before the first rollout (it is synced after every update from then on)
-        engine.sync_weights(model.state_dict(), version=state["step"])
+        sync_engine(state["step"])
 
     metrics = MetricsWriter(out_dir, info.is_main, cfg.log.tensorboard)
     bar = None
@@ -774,13 +604,12 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     mix = ModeMix.from_config(a.mode_mix)
     loss_kwargs = policy_loss_kwargs(cfg)
     per_rank = cfg.data.prompts_per_step // info.world_size
-    placeholders = _placeholder_ids(model)
 
     def evaluate(step: int) -> None:
         if not eval_prompts:
             return
         if info.is_main:
-            res = greedy_accuracy(model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
+            res = greedy_accuracy(rollout_model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
                                   batch_size=cfg.eval.batch_size, samples=cfg.eval.samples,
                                   temperature=cfg.eval.temperature, seed=cfg.train.seed)
             state["eval_curve"].append({"step": step, **res})
@@ -850,62 +679,19 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                 pool_added += _add_online(pool, rows, step)
 
         t = time.time()
-        if use_tree:
-            tree_fill_logprobs(model, samples, pad_id=pad_id, groups_per_micro_batch=cfg.tree.groups_per_micro_batch,
-                               temperature=r.temperature, kernel=cfg.tree.kernel, micro_batch_size=a.micro_batch_size)
-            if ref_model is not None:
-                tree_fill_logprobs(ref_model, samples, pad_id=pad_id, target="ref_logp",
-                                   groups_per_micro_batch=cfg.tree.groups_per_micro_batch, temperature=r.temperature,
-                                   kernel=cfg.tree.kernel, micro_batch_size=a.micro_batch_size)
-        else:
-            fill_logprobs(model, samples, pad_id=pad_id, micro_batch_size=a.micro_batch_size, temperature=r.temperature)
-            if ref_model is not None:
-                fill_logprobs(ref_model, samples, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
-                              temperature=r.temperature, target="ref_logp")
+        learner.compute_logprobs(samples, pad_id=pad_id, use_tree=use_tree)
+        if learner.ref_model is not None:
+            learner.compute_logprobs(samples, target="ref_logp", pad_id=pad_id, use_tree=use_tree)
         timing["old_logprob"] = time.time() - t
         if samples:  # after the log-probs: the KL reward penalty uses them
             assign_advantages(samples, std=a.std, eps=a.eps, difficulty=a.difficulty, kl_reward_coef=a.kl_reward_coef)
 
         t = time.time()
-        gen = torch.Generator().manual_seed(seed)
-        group_ids = torch.tensor([s.group for s in samples], dtype=torch.long)
-        n_groups = len(groups)
-        per_mb = max(1, -(-n_groups // a.mini_batches))
-        update_stats: list[dict[str, float]] = []
-        grad_norms: list[float] = []
-        skipped = 0
-        for _ in range(a.ppo_epochs):
-            mbs = group_minibatches(group_ids, per_mb, generator=gen) if samples else []
-            # every rank runs exactly mini_batches updates (collectives inside), empty ones included
-            mbs = list(mbs) + [torch.zeros(0, dtype=torch.long)] * (a.mini_batches - len(mbs))
-            for idx in mbs:
-                chosen = [samples[i] for i in idx.tolist()]
-                if use_tree:
-                    st = tree_accumulate(model, chosen, pad_id=pad_id,
-                                         groups_per_micro_batch=cfg.tree.groups_per_micro_batch,
-                                         micro_batch_size=a.micro_batch_size, temperature=r.temperature,
-                                         kernel=cfg.tree.kernel, loss_kwargs=loss_kwargs)
-                else:
-                    st = accumulate_policy_gradients(model, chosen, pad_id=pad_id, micro_batch_size=a.micro_batch_size,
-                                                     temperature=r.temperature, loss_kwargs=loss_kwargs,
-                                                     with_entropy=True)
-                st["local_tokens"] = float(_loss_token_count(chosen, placeholders))
-                if not st["tokens"]:
-                    # no rank has a loss token: an AdamW step on zero gradients would still move the weights
-                    # (momentum, weight decay) and advance its step count. st["tokens"] is the all-rank count
-                    # (all-reduced inside the accumulation), so every rank skips together
-                    optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-                    continue
-                _average_gradients(trainable, info.world_size)
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.train.grad_clip)))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                update_stats.append(st)
-        lr_used = scheduler.get_last_lr()[0]  # before the scheduler moves on to the next step's rate
-        scheduler.step()
-        if isinstance(engine, VLLMRollout):
-            engine.sync_weights(model.state_dict(), version=step)  # the next rollouts sample the updated policy
+        res_update = learner.update(samples, n_groups=len(groups), seed=seed, pad_id=pad_id, use_tree=use_tree,
+                                    loss_kwargs=loss_kwargs)
+        update_stats, grad_norms, skipped, lr_used = (res_update.stats, res_update.grad_norms, res_update.skipped,
+                                                      res_update.lr)
+        sync_engine(step)  # the next rollouts sample the updated policy
         timing["update"] = time.time() - t
 
         row = _step_metrics(samples, update_stats, info.device)
@@ -966,10 +752,10 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         "pool": pool.stats(),
         "frozen_towers": frozen,
         "world_size": info.world_size,
-        "strategy": cfg.train.strategy if info.distributed else "none",
+        "strategy": learner.strategy,
         "prompts": len(prompts),
         # identical on every rank when the replicas stayed in sync (data-parallel sanity check)
-        "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "param_checksum": learner.checksum(),
     }
     if info.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -1036,10 +822,10 @@ def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str,
         for k in stat_keys:
             sums[f"stat/{k}/{i}"] = st.get(k, 0.0) * w
     sums["stat/has_kl"] = float(any("kl" in st for st in update_stats))
-    g = _reduce_sums(sums, device)
+    g = reduce_sums(sums, device)
     # every rank runs the same number of updates; the global loss of an update is the sum of the rank shares
     losses = [st.get("loss", 0.0) for st in update_stats]
-    loss_sum = _reduce_sums({"loss": sum(losses)}, device)["loss"]
+    loss_sum = reduce_sums({"loss": sum(losses)}, device)["loss"]
     row = {
         "loss": loss_sum / max(n_upd, 1.0),
         "reward/mean": g["reward"] / max(g["n_fresh"], 1.0),
@@ -1094,5 +880,5 @@ def run_from_args(config: str | None, overrides: list[str]) -> int:
     return 0
 
 
-__all__ = ["RLEPConfig", "PromptStream", "RunState", "greedy_accuracy", "main", "to_dict", "train", "tree_accumulate",
-           "tree_enabled", "tree_fill_logprobs", "validate"]
+__all__ = ["RLEPConfig", "PromptStream", "RunState", "greedy_accuracy", "main", "to_dict", "train", "tree_enabled",
+           "validate"]

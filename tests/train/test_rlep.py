@@ -24,14 +24,13 @@ from keye.rl import (
     fill_logprobs,
     load_rl_prompts,
 )
+from keye.train import dist as kdist
 from keye.train.config import load_config
 from keye.train.rlep import (
     PromptStream,
     RLEPConfig,
     train,
-    tree_accumulate,
     tree_enabled,
-    tree_fill_logprobs,
     validate,
 )
 
@@ -125,13 +124,17 @@ def test_prompt_stream_partitions_ranks_and_resumes():
         PromptStream(prompts[:3], 0, 0, 4, shuffle=False)
 
 
-def test_tree_update_equals_padded_update(tiny_ckpt, rl_set):
-    """The recipe's tree passes give the core's old log-probs and exactly its gradients (mixed-sign
+def test_tree_update_equals_padded_update(tiny_ckpt, rl_set, tmp_path):
+    """The learner's tree passes give the core's old log-probs and exactly its gradients (mixed-sign
     advantages, replay rows, a missing replay slot, a response with a sampled vision placeholder id)."""
     from keye.processing.processor import KeyeProcessor
+    from keye.rl.learner import Learner
 
     torch.manual_seed(0)
-    model = KeyeVL.from_pretrained(tiny_ckpt, torch_dtype="float32")
+    cfg = _cfg(tiny_ckpt, rl_set, tmp_path, "tree.groups_per_micro_batch=2", "algorithm.eps_low=0.2",
+               "algorithm.eps_high=0.28", "algorithm.dual_clip=3.0", "algorithm.loss_agg=token-mean")
+    learner = Learner(cfg, kdist.init_distributed("cpu"), model_path=tiny_ckpt)
+    model = learner.model
     proc = KeyeProcessor.from_pretrained(tiny_ckpt)
     prompts = load_rl_prompts(rl_set["train"])[:2]
     engine = LocalRollout(model, proc, max_new_tokens=5, seed=1)
@@ -148,11 +151,11 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set):
     adv = assign_advantages(samples)
     assert (adv > 0).any() and (adv < 0).any()
     pad = int(proc.pad_token_id)
-    fill_logprobs(model, samples, pad_id=pad)
+    fill_logprobs(model, samples, pad_id=pad)  # the core function is the reference
     ref_old = {id(s): s.old_logp.clone() for s in samples if s.valid}
     for s in samples:
         s.old_logp = None
-    tree_fill_logprobs(model, samples, pad_id=pad, groups_per_micro_batch=2, temperature=1.0, kernel="efficient")
+    learner.compute_logprobs(samples, pad_id=pad, use_tree=True)
     for s in samples:
         if s.valid:
             torch.testing.assert_close(s.old_logp, ref_old[id(s)], atol=2e-5, rtol=0)
@@ -165,17 +168,17 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set):
     params = [p for p in model.parameters()]
     st_ref = accumulate_policy_gradients(model, samples, pad_id=pad, micro_batch_size=3, loss_kwargs=kw)
     g_ref = [None if p.grad is None else p.grad.clone() for p in params]
-    model.zero_grad(set_to_none=True)
-    st_tree = tree_accumulate(model, samples, pad_id=pad, groups_per_micro_batch=1, micro_batch_size=3,
-                              temperature=1.0, kernel="efficient", loss_kwargs=kw)
-    assert st_tree["tokens"] == st_ref["tokens"] and st_tree["sequences"] == st_ref["sequences"]
-    assert st_tree["loss"] == pytest.approx(st_ref["loss"], abs=1e-5)
-    assert st_ref["clip_frac"] > 0 and st_tree["clip_frac"] == pytest.approx(st_ref["clip_frac"])
-    for p, g in zip(params, g_ref):
-        if g is None:
-            assert p.grad is None or not p.grad.abs().any()
-        else:
-            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    for use_tree in (True, False):
+        model.zero_grad(set_to_none=True)
+        st = learner.accumulate(samples, pad_id=pad, use_tree=use_tree, loss_kwargs=kw)
+        assert st["tokens"] == st_ref["tokens"] and st["sequences"] == st_ref["sequences"]
+        assert st["loss"] == pytest.approx(st_ref["loss"], abs=1e-5)
+        assert st_ref["clip_frac"] > 0 and st["clip_frac"] == pytest.approx(st_ref["clip_frac"])
+        for p, g in zip(params, g_ref):
+            if g is None:
+                assert p.grad is None or not p.grad.abs().any()
+            else:
+                torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ real runs
