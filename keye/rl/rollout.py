@@ -11,7 +11,7 @@ cache, CPU or GPU) and :class:`VLLMRollout` (vLLM's ``LLM.generate``, only where
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -275,6 +275,7 @@ class LocalRollout:
         self.eos_ids = [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
         self.pad_id = int(processor.pad_token_id)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.weight_version = 0  # the learner step whose weights the model holds (see load_weights)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling generator's state (for exact resume from a checkpoint)."""
@@ -290,6 +291,34 @@ class LocalRollout:
             raise KeyeConfigError(f"the saved rollout state {sorted(state)} is not a local engine's: resume with the "
                                   "rollout.engine the run was started with")
         self.generator.set_state(state["generator"])
+
+    def load_weights(self, shards: Iterable[Mapping[str, torch.Tensor]], version: int | None = None) -> int:
+        """Copy weight shards ``{name: full tensor}`` (e.g. :meth:`keye.rl.learner.Learner.export_weights`)
+        into the sampling model, shard by shard; every model weight must arrive exactly once.
+
+        Returns the number of tensors loaded; ``version`` (the learner step) becomes ``weight_version``.
+        Raises:
+            KeyeInputError: an unknown name, a shape mismatch, a tensor sent twice or one never sent.
+        """
+        own = self.model.state_dict()
+        seen: set[str] = set()
+        with torch.no_grad():
+            for shard in shards:
+                for name, tensor in shard.items():
+                    if name not in own:
+                        raise KeyeInputError(f"weight sync: {name!r} is not a weight of the rollout model")
+                    if tuple(tensor.shape) != tuple(own[name].shape):
+                        raise KeyeInputError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the rollout "
+                                             f"model's is {tuple(own[name].shape)}")
+                    if name in seen:
+                        raise KeyeInputError(f"weight sync: {name!r} was sent twice")
+                    own[name].copy_(tensor)
+                    seen.add(name)
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise KeyeInputError(f"weight sync: {len(missing)} weights never arrived, e.g. {missing[:3]}")
+        self.weight_version = version
+        return len(seen)
 
     def prepare(self, prompts: Sequence[RLPrompt]) -> list[PromptInputs]:
         """Process each prompt (its mode applied) once; the result is shared by its ``n`` samples."""
