@@ -96,12 +96,6 @@ _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "vide
 _KEYE_LOOP_KWARGS = frozenset(GenerationConfig.__dataclass_fields__) | frozenset(_VISION_KWARGS) | {"labels"}
 
 
-def _sharded(module: nn.Module) -> bool:
-    """Whether the module's weights are sharded across ranks (FSDP2 DTensors or DeepSpeed ZeRO-3)."""
-    p = next(module.parameters(), None)
-    return p is not None and (hasattr(p, "full_tensor") or hasattr(p, "ds_id"))
-
-
 def _check_decoding_args(kwargs: dict[str, Any]) -> None:
     """Reject out-of-range decoding settings with a ValueError naming them, whichever loop runs
     (transformers only checks some of them, and only when they are used)."""
@@ -300,8 +294,9 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         Images and videos go through the tower in **one** packed call (attention stays block-diagonal
         per item, so this equals separate calls). With ``always_run_vision`` set (done by the recipes for
         DDP/FSDP/ZeRO), a batch without pixels still runs the tower on one dummy item whose output is added
-        with weight 0 - in training, and in evaluation too when the weights are sharded (every forward
-        gathers them collectively): every rank then runs the same modules in the same order.
+        with weight 0 - in training, and in evaluation too when ``collective_forward`` is also set (sharded
+        weights: every forward gathers them collectively): every rank then runs the same modules in the same
+        order.
         """
         embeds = self.model.embed_tokens(input_ids)
         for pix, tok, kind in ((pixel_values, self.config.image_token_id, "image"),
@@ -321,7 +316,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             grids += g
             counts.append(("video", len(g)))
         if not pieces:
-            if getattr(self, "always_run_vision", False) and (self.training or _sharded(self)):
+            if getattr(self, "always_run_vision", False) and (self.training or getattr(self, "collective_forward", False)):
                 m = self.config.vision.spatial_merge_size
                 p = self.config.vision.patch_size
                 dummy = torch.zeros(m * m, self.config.vision.num_channels, p, p, device=embeds.device)

@@ -16,7 +16,7 @@
 * ``fsdp2``: decoder layers, vision layers and the root are sharded with ``torch.distributed.fsdp``
   (parameters, gradients and AdamW moments are 1/world per rank); the reference model is sharded the
   same way (``algorithm.reference_placement: sharded``) or kept whole on the CPU (``cpu``).
-* ``zero3``: DeepSpeed ZeRO-3 (``train.deepspeed_config``, default ``training/deepspeed/zero3.json``), the
+* ``zero3``: DeepSpeed ZeRO-3 (``train.deepspeed_config``, default :data:`DEFAULT_ZERO3`), the
   reference model as a ZeRO-3 inference engine or on the CPU.
 
 Sharded layouts gather every layer's weights collectively inside each forward, so all ranks must run the
@@ -50,6 +50,17 @@ STRATEGIES = ("none", "ddp", "fsdp2", "zero3")
 DEFAULT_EXPORT_BYTES = 512 * 2**20
 """Largest weight shard :meth:`Learner.export_weights` assembles (one tensor larger than this is its own
 shard): the rollout side receives the model in pieces this size, never whole."""
+
+
+DEFAULT_ZERO3 = {
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                          "stage3_gather_16bit_weights_on_model_save": True,
+                          "stage3_param_persistence_threshold": 10000, "reduce_bucket_size": 200_000_000},
+    "bf16": {"enabled": "auto"},
+    "steps_per_print": 1_000_000,
+    "wall_clock_breakdown": False,
+}
+"""The ZeRO-3 settings used without ``train.deepspeed_config`` (those of ``training/deepspeed/zero3.json``)."""
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -126,11 +137,12 @@ def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 
 
 def tree_forward(core: Any, groups: Sequence[Sequence[RolloutSample]], *, temperature: float, kernel: str,
-                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 entropy: bool, call: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs of every response of ``groups`` from one forest forward (each prompt computed once).
 
-    Returns logp float32 [B, T], mask bool [B, T] and entropy [B, T] (or None); rows follow the groups'
-    samples in order.
+    ``call`` is what runs the forward when it is not ``core`` itself (a DeepSpeed engine: its forward
+    registers the hooks its backward needs). Returns logp float32 [B, T], mask bool [B, T] and entropy
+    [B, T] (or None); rows follow the groups' samples in order.
     """
     from keye.rl.tree import VisionInputs, build_group_tree, concat_trees, tree_logprobs
 
@@ -145,7 +157,8 @@ def tree_forward(core: Any, groups: Sequence[Sequence[RolloutSample]], *, temper
             video_grid_thw=inp.video_grid_thw, second_per_grid_ts=inp.second_per_grid_ts,
         )
         trees.append(build_group_tree(core.config, inp.input_ids, [s.response_ids for s in g], vis))
-    out = tree_logprobs(core, concat_trees(trees), kernel=kernel, temperature=temperature, entropy=entropy)
+    out = tree_logprobs(core if call is None else call, concat_trees(trees), kernel=kernel, temperature=temperature,
+                        entropy=entropy)
     return out[0], out[1], (out[2] if entropy else None)
 
 
@@ -231,7 +244,7 @@ class Learner:
             model.gradient_checkpointing_enable()
         self.frozen = apply_freezing(model, cfg.train)
         # every rank must run the same modules in the same order when the weights are sharded
-        model.always_run_vision = self.sharded
+        model.always_run_vision = model.collective_forward = self.sharded
         self.model = model
         self.placeholders = placeholder_ids(model)
         self.vision_params = {id(p) for n, p in model.named_parameters() if n.startswith(("visual.", "mlp_AR."))}
@@ -253,7 +266,7 @@ class Learner:
             ref_path = resolve_model_path(a.reference_path or cfg.model.path)
             ref = KeyeVL.from_pretrained(ref_path, torch_dtype=dtype, attn_implementation=attn)
             ref.eval().requires_grad_(False)
-            ref.always_run_vision = placement == "sharded"
+            ref.always_run_vision = ref.collective_forward = placement == "sharded"
             if placement == "cpu":
                 ref.to("cpu")
             elif placement == "device" or strategy == "fsdp2":
@@ -273,7 +286,7 @@ class Learner:
             if self.ref_model is not None and placement == "sharded":
                 engine, *_ = deepspeed.initialize(model=self.ref_model, config=self._deepspeed_config(train=False))
                 deepspeed.zero.register_external_parameter(self.ref_model, self.ref_model.lm_head.weight)
-                ref_module = engine.module
+                ref_module = engine
         else:
             self.wrapped = kdist.wrap_model(model, "fsdp2" if strategy == "fsdp2" else "none", info)
             if self.ref_model is not None and placement == "sharded":
@@ -288,6 +301,8 @@ class Learner:
             self.optimizer = torch.optim.AdamW(param_groups(model, cfg.train), lr=cfg.train.lr,
                                                betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
         self.ref_module = ref_module
+        # what runs the policy's forward: the DeepSpeed engine under ZeRO-3 (its forward sets up the backward)
+        self.policy = self.wrapped.module
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.train, cfg.train.steps))
         self.trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -296,11 +311,14 @@ class Learner:
         import json
 
         cfg = self.cfg
-        path = cfg.train.deepspeed_config or "training/deepspeed/zero3.json"
-        try:
-            ds = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise KeyeConfigError(f"{path}: cannot read the DeepSpeed config ({err})") from None
+        path = cfg.train.deepspeed_config
+        if path is None:
+            ds = json.loads(json.dumps(DEFAULT_ZERO3))
+        else:
+            try:
+                ds = json.loads(Path(path).read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise KeyeConfigError(f"{path}: cannot read the DeepSpeed config ({err})") from None
         # the learner owns accumulation: any number of backwards, then one step() (DeepSpeed >= 0.18)
         ds["managed_gradient_accumulation"] = False
         ds["train_micro_batch_size_per_gpu"] = 1
@@ -331,7 +349,7 @@ class Learner:
     def _dummy(self, module: Any) -> torch.Tensor:
         """A one-token forward (vision tower included via ``always_run_vision``) returning a zero loss: the
         padding that keeps every rank's sequence of sharded collectives equal."""
-        dev = self.device if module is not self.ref_model or self.ref_placement != "cpu" else torch.device("cpu")
+        dev = torch.device("cpu") if self.ref_placement == "cpu" and module is self.ref_module else self.device
         ids = torch.zeros(1, 2, dtype=torch.long, device=dev)
         req = LogprobRequest(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
                              torch.zeros(1, dtype=torch.long, device=dev))
@@ -341,8 +359,10 @@ class Learner:
                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]:
         """(logp [B, T], mask [B, T], entropy or None, padded batch or None) of one micro-batch."""
         kernel = self.cfg.tree.kernel
+        core = getattr(module, "module", module)
         if mb.kind == "tree":
-            logp, mask, ent = tree_forward(module, mb.groups, temperature=temperature, kernel=kernel, entropy=entropy)
+            logp, mask, ent = tree_forward(core, mb.groups, temperature=temperature, kernel=kernel, entropy=entropy,
+                                           call=module)
             return logp, mask, ent, None
         batch = collate_samples(mb.samples, pad_id, self.placeholders)
         out = token_logprobs(module, batch, batch["responses"], batch["response_attention"], temperature=temperature,
@@ -369,7 +389,7 @@ class Learner:
         """
         if target == "ref_logp" and self.ref_model is None:
             raise KeyeConfigError("reference log-probs need algorithm.reference: true")
-        module = self.model if target == "old_logp" else self.ref_module
+        module = self.policy if target == "old_logp" else self.ref_module
         temperature = self.cfg.rollout.temperature
         a = self.cfg.algorithm
         mbs = plan_micro_batches(samples, use_tree=use_tree, placeholders=self.placeholders,
@@ -458,9 +478,9 @@ class Learner:
 
         def one(mb: MicroBatch | None) -> None:
             if mb is None:
-                self._backward(self._dummy(self.model))
+                self._backward(self._dummy(self.policy))
                 return
-            logp, mask, ent, batch = self._forward(self.model, mb, temperature=temperature, entropy=True,
+            logp, mask, ent, batch = self._forward(self.policy, mb, temperature=temperature, entropy=True,
                                                    pad_id=pad_id)
             old, ref, adv, rollout = _targets(mb, logp.shape[1], use_ref, batch)
             dev = logp.device

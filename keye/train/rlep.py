@@ -198,7 +198,7 @@ class RLTrainSection:
     seed: int = 0
     # none / ddp: replicated policy; fsdp2 / zero3: sharded learner (keye/rl/learner.py)
     strategy: Literal["none", "ddp", "fsdp2", "zero3"] = "none"
-    deepspeed_config: str | None = None  # zero3: default training/deepspeed/zero3.json
+    deepspeed_config: str | None = None  # zero3: a DeepSpeed JSON; default keye.rl.learner.DEFAULT_ZERO3
     device: str = "auto"
 
 

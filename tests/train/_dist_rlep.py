@@ -2,7 +2,8 @@
 Every rank writes ``checksum_rank<r>.txt`` (the sum of its parameters) into OUT_DIR so the test can check
 that the replicas agree (files, not stdout: torchrun does not guarantee every rank's output reaches it).
 With ``rollout.engine=vllm`` the recording stand-in ``_fake_vllm`` serves as ``vllm`` (its environment
-variable ``FAKE_VLLM_PLACEHOLDER_RANKS`` makes chosen ranks sample only placeholder ids, i.e. no loss token)."""
+variable ``FAKE_VLLM_PLACEHOLDER_RANKS`` makes chosen ranks sample only placeholder ids, i.e. no loss token).
+``stop_after=N`` among the arguments stops after N steps without the final save (a simulated crash)."""
 
 import os
 import sys
@@ -14,13 +15,15 @@ from keye.train.rlep import RLEPConfig, train
 
 if __name__ == "__main__":
     out_dir, *overrides = sys.argv[1:]
+    stop_after = [int(x.split("=", 1)[1]) for x in overrides if x.startswith("stop_after=")]
+    overrides = [x for x in overrides if not x.startswith("stop_after=")]
     if "rollout.engine=vllm" in overrides:
         import _fake_vllm  # this script's folder is on sys.path
 
         _fake_vllm.install()
     cfg = load_config(RLEPConfig, None, [f"checkpoint.out_dir={out_dir}", "train.strategy=ddp", *overrides])
     try:
-        summary = train(cfg)
+        summary = train(cfg, stop_after=stop_after[0] if stop_after else None)
         rank = os.environ.get("RANK", "0")
         (Path(out_dir) / f"checksum_rank{rank}.txt").write_text(repr(summary["param_checksum"]))
     finally:
