@@ -118,4 +118,5 @@ def test_bad_tis_arguments_are_refused():
     with pytest.raises(KeyeInputError, match="rollout_logp has shape"):
         policy_loss(logp, old, adv, mask, rollout_logp=rollout[:, :2], tis_cap=2.0)
     with pytest.raises(KeyeInputError, match="has_rollout_logp"):
-        policy_loss(logp, old, adv, mask, rollout_logp=rollout, tis_cap=2.0, has_rollout_logp=torch.ones(2, dtype=torch.bool))
+        policy_loss(logp, old, adv, mask, rollout_logp=rollout, tis_cap=2.0,
+                    has_rollout_logp=torch.ones(2, dtype=torch.bool))
