@@ -69,6 +69,7 @@ from keye.rl import (
 )
 from keye.rl.learner import reduce_sums
 from keye.rl.losses import KL_LOSS_ESTIMATORS
+from keye.rl.rollout import load_weight_shards
 from keye.rl.sampling import group_signal
 from keye.tiny import resolve_model_path
 from keye.train import dist as kdist
@@ -517,6 +518,15 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         rollout_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
                                                attn_implementation=cfg.model.attn_implementation)
         rollout_model.to(info.device).eval().requires_grad_(False)
+    # held-out evaluation generates on the main rank alone, so it needs whole weights: the rollout copy, or
+    # (sharded learner + vLLM) a copy on the main rank that is refreshed before each evaluation
+    eval_model = rollout_model
+    if learner.sharded and cfg.rollout.engine != "local" and cfg.eval.manifest:
+        eval_model = None
+        if info.is_main:
+            eval_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
+                                                attn_implementation=cfg.model.attn_implementation)
+            eval_model.to(info.device).eval().requires_grad_(False)
 
     r = cfg.rollout
     if r.engine == "local":
@@ -608,8 +618,15 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     def evaluate(step: int) -> None:
         if not eval_prompts:
             return
+        if eval_model is not rollout_model:  # collective: every rank walks the shards, the main rank loads them
+            shards = learner.export_weights(r.sync_bytes)
+            if info.is_main:
+                load_weight_shards(eval_model, shards)
+            else:
+                for _ in shards:
+                    pass
         if info.is_main:
-            res = greedy_accuracy(rollout_model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
+            res = greedy_accuracy(eval_model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
                                   batch_size=cfg.eval.batch_size, samples=cfg.eval.samples,
                                   temperature=cfg.eval.temperature, seed=cfg.train.seed)
             state["eval_curve"].append({"step": step, **res})

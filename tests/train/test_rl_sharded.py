@@ -96,7 +96,7 @@ def _loop_args(tiny_ckpt, rl_set, *extra):  # noqa: F811
 @pytest.fixture(scope="module")
 def loop_runs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("loops")
-    for name in ("ddp", "fsdp2"):
+    for name in ("ddp", "fsdp2", "zero3"):
         _torchrun("_dist_rlep.py", root / name, *_loop_args(tiny_ckpt, rl_set, f"train.strategy={name}"))
     return root
 
@@ -106,18 +106,19 @@ def _summary(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp2_training_loop_equals_the_replicated_loop(loop_runs):
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_sharded_training_loop_equals_the_replicated_loop(loop_runs, strategy):
     """Same seeds, same rollouts: the sharded learner (its rollouts from a synced inference copy) trains
-    exactly what the replicated learner trains."""
-    ddp, fsdp = _summary(loop_runs / "ddp"), _summary(loop_runs / "fsdp2")
-    assert ddp["strategy"] == "ddp" and fsdp["strategy"] == "fsdp2" and fsdp["finished"]
-    assert fsdp["rewards"] == ddp["rewards"]
-    assert fsdp["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
-    sums = {(loop_runs / "fsdp2" / f"checksum_rank{r}.txt").read_text() for r in (0, 1)}
+    what the replicated learner trains, through checkpoints saved every step."""
+    ddp, sharded = _summary(loop_runs / "ddp"), _summary(loop_runs / strategy)
+    assert ddp["strategy"] == "ddp" and sharded["strategy"] == strategy and sharded["finished"]
+    assert sharded["rewards"] == ddp["rewards"]
+    assert sharded["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
+    sums = {(loop_runs / strategy / f"checksum_rank{r}.txt").read_text() for r in (0, 1)}
     assert len(sums) == 1  # every rank sees the same gathered weights
     assert float(sums.pop()) == pytest.approx(ddp["param_checksum"], abs=1e-3)
     a = load_file(str(loop_runs / "ddp/final/model.safetensors"))
-    b = load_file(str(loop_runs / "fsdp2/final/model.safetensors"))
+    b = load_file(str(loop_runs / f"{strategy}/final/model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-5
 
 
