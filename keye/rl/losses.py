@@ -166,7 +166,8 @@ def policy_loss(
         entropy: float [B, T] per-token entropy (for stats, and an entropy bonus if ``entropy_coef > 0``).
         max_log_ratio: token log-ratios are clamped to +-this before ``exp`` (numerical safety).
         rollout_logp: float [B, T] log-probs the rollout engine reported for the sampled tokens (the
-            distribution it actually sampled from); used only with ``tis_cap``.
+            distribution it actually sampled from); used only with ``tis_cap``. None: no row has them (e.g. a
+            micro-batch of replayed rows), every weight is 1.
         tis_cap: truncated importance sampling (module doc): multiply each token's policy-gradient term by
             ``min(exp(old_logp - rollout_logp), tis_cap)`` (no gradient through the weight); must be >= 1.
             None (default) leaves the loss exactly as without it.
@@ -179,8 +180,9 @@ def policy_loss(
         ``clip_frac_high`` (A > 0 and ratio > 1 + eps_high), ``clip_frac_low`` (A < 0 and ratio <
         1 - eps_low), ``clip_frac`` (either), ``dual_clip_frac`` (A < 0 and the dual bound active),
         ``approx_kl`` (k3 estimate of KL(old || new)), ``ratio_mean``, ``ratio_max``, ``ratio_min``,
-        ``num_tokens``, and ``kl`` / ``entropy`` when given. With ``tis_cap``, over the masked tokens of rows
-        that have rollout log-probs: ``tis_weight_mean`` (mean weight after the cap), ``tis_clip_frac``
+        ``num_tokens``, and ``kl`` / ``entropy`` when given. With ``tis_cap``, over the masked tokens (rows
+        without rollout log-probs count with weight 1, unclipped, no difference, so that token-weighted means
+        over micro-batches stay exact): ``tis_weight_mean`` (mean weight after the cap), ``tis_clip_frac``
         (fraction whose ratio exceeded the cap) and ``rollout_logp_abs_diff`` (mean ``|old_logp -
         rollout_logp|``, the engine mismatch).
     """
@@ -201,9 +203,6 @@ def policy_loss(
                 f"tis_cap must be >= 1 (or None), got {tis_cap}: a cap below 1 scales down every token, on-policy ones "
                 "included"
             )
-        if rollout_logp is None:
-            raise KeyeInputError("tis_cap is set but rollout_logp is None: the correction needs the rollout engine's "
-                                 "log-probs (collate_samples puts them in batch['rollout_logp'])")
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise KeyeInputError(
             f"logp, old_logp and mask must all be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
@@ -284,30 +283,32 @@ def policy_loss(
             num_tokens=float(m.sum()),
         )
         if tis is not None:
-            w, raw, rows = tis
-            sel_w = m * rows[:, None].to(m.dtype)
+            w, log_w = tis
             stats.update(
-                tis_weight_mean=_masked_mean(w.to(m.dtype), sel_w),
-                tis_clip_frac=_masked_mean((raw > tis_cap).to(m.dtype), sel_w),
-                rollout_logp_abs_diff=_masked_mean((old_logp - rollout_logp.detach().to(old_logp)).abs(), sel_w),
+                tis_weight_mean=_masked_mean(w.to(m.dtype), m),
+                tis_clip_frac=_masked_mean((log_w.exp() > tis_cap).to(m.dtype), m),
+                rollout_logp_abs_diff=_masked_mean(log_w.abs().to(m.dtype), m),
             )
     return loss, stats
 
 
-def _tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, has_rollout_logp: torch.Tensor | None,
-                 cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(capped weights [B, T], uncapped ratios [B, T], rows with rollout log-probs bool [B]); no gradient."""
-    if rollout_logp.shape != old_logp.shape:
-        raise KeyeInputError(f"rollout_logp has shape {tuple(rollout_logp.shape)}, logp {tuple(old_logp.shape)}")
+def _tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, has_rollout_logp: torch.Tensor | None,
+                 cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(capped weights [B, T], ``old_logp - rollout_logp`` [B, T] with 0 in rows without rollout log-probs);
+    no gradient."""
     b = old_logp.shape[0]
-    if has_rollout_logp is None:
-        rows = torch.ones(b, dtype=torch.bool, device=old_logp.device)
-    else:
-        if has_rollout_logp.shape != (b,):
-            raise KeyeInputError(f"has_rollout_logp must be [B={b}], got {tuple(has_rollout_logp.shape)}")
-        rows = has_rollout_logp.to(device=old_logp.device, dtype=torch.bool)
     with torch.no_grad():
+        if rollout_logp is None:
+            log_w = torch.zeros_like(old_logp)
+        else:
+            if rollout_logp.shape != old_logp.shape:
+                raise KeyeInputError(f"rollout_logp has shape {tuple(rollout_logp.shape)}, logp {tuple(old_logp.shape)}")
+            log_w = old_logp.detach() - rollout_logp.detach().to(old_logp)
+            if has_rollout_logp is not None:
+                if has_rollout_logp.shape != (b,):
+                    raise KeyeInputError(f"has_rollout_logp must be [B={b}], got {tuple(has_rollout_logp.shape)}")
+                rows = has_rollout_logp.to(device=old_logp.device, dtype=torch.bool)
+                log_w = torch.where(rows[:, None], log_w, torch.zeros_like(log_w))
         # verl's form: exp first, then clamp (an overflow to inf clamps to the cap)
-        raw = torch.exp(old_logp.detach() - rollout_logp.detach().to(old_logp))
-        w = torch.where(rows[:, None], raw.clamp(max=cap), torch.ones_like(raw))
-    return w, raw, rows
+        w = torch.exp(log_w).clamp(max=cap)
+    return w, log_w

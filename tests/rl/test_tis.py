@@ -1,6 +1,7 @@
 """Truncated importance sampling (rollout-engine / learner mismatch correction) in :func:`policy_loss`:
 off changes nothing, weights are ``min(exp(old - rollout), cap)`` without gradient, the gradient is the
-hand-computed reweighted one, replayed rows keep weight 1, KL / entropy are not reweighted, stats."""
+hand-computed reweighted one, replayed rows (or a batch without engine log-probs) keep weight 1, KL / entropy are
+not reweighted, stats."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_clipped_tokens_stay_without_gradient_and_the_weight_carries_none():
     assert logp.grad.item() == 0.0 and rollout.grad is None
 
 
-def test_replayed_rows_keep_weight_one_and_stay_out_of_the_stats():
+def test_replayed_rows_keep_weight_one():
     logp, old, rollout, adv, mask = _batch(seed=1)
     has = torch.tensor([True, False, True])
     zeros_for_replay = rollout.clone()
@@ -90,11 +91,19 @@ def test_replayed_rows_keep_weight_one_and_stay_out_of_the_stats():
     same[1] = old[1]
     ref_loss, ref_grad, _ = _loss_and_grad(logp, old, adv, mask, rollout_logp=same, tis_cap=2.0)
     assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
-    # the stats count rows 0 and 2 only
-    raw = (old - rollout).exp()[[0, 2]]
-    sel = mask[[0, 2]].bool()
-    assert stats["tis_weight_mean"] == pytest.approx(raw.clamp(max=2.0)[sel].mean().item(), rel=1e-12)
-    assert stats["tis_clip_frac"] == pytest.approx((raw[sel] > 2.0).double().mean().item(), rel=1e-12)
+    # in the stats the replayed row's tokens count with weight 1, unclipped, no difference
+    w = (old - same).exp()
+    sel = mask.bool()
+    assert stats["tis_weight_mean"] == pytest.approx(w.clamp(max=2.0)[sel].mean().item(), rel=1e-12)
+    assert stats["tis_clip_frac"] == pytest.approx((w[sel] > 2.0).double().mean().item(), rel=1e-12)
+    assert stats["rollout_logp_abs_diff"] == pytest.approx((old - same).abs()[sel].mean().item(), rel=1e-12)
+    assert 0 < stats["tis_clip_frac"] < 1
+
+    # a micro-batch where no row has engine log-probs (all replayed): weight 1 everywhere, the loss unchanged
+    base_loss, base_grad, _ = _loss_and_grad(logp, old, adv, mask)
+    loss, grad, stats = _loss_and_grad(logp, old, adv, mask, rollout_logp=None, tis_cap=2.0)
+    assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
+    assert (stats["tis_weight_mean"], stats["tis_clip_frac"], stats["rollout_logp_abs_diff"]) == (1.0, 0.0, 0.0)
 
 
 def test_kl_and_entropy_terms_are_not_reweighted():
@@ -113,8 +122,6 @@ def test_bad_tis_arguments_are_refused():
     logp, old, rollout, adv, mask = _batch()
     with pytest.raises(KeyeConfigError, match="tis_cap"):
         policy_loss(logp, old, adv, mask, rollout_logp=rollout, tis_cap=0.5)
-    with pytest.raises(KeyeInputError, match="rollout_logp"):
-        policy_loss(logp, old, adv, mask, tis_cap=2.0)
     with pytest.raises(KeyeInputError, match="rollout_logp has shape"):
         policy_loss(logp, old, adv, mask, rollout_logp=rollout[:, :2], tis_cap=2.0)
     with pytest.raises(KeyeInputError, match="has_rollout_logp"):
