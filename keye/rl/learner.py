@@ -340,6 +340,26 @@ class Learner:
         """The device the policy computes on."""
         return self.info.device
 
+    @property
+    def config(self) -> Any:
+        """The policy's :class:`keye.KeyeVLConfig` (token ids, vision settings)."""
+        return self.model.config
+
+    def save_checkpoint(self, ckpt_dir: Path, run_state: Any, trainer_state: dict[str, Any], processor: Any) -> None:
+        """Write a resumable checkpoint (official model export, optimizer, scheduler, RNG, ``run_state``); the
+        layout of :func:`keye.train.sft.save_checkpoint` (collective)."""
+        from keye.train.sft import save_checkpoint
+
+        save_checkpoint(Path(ckpt_dir), self.wrapped, self.optimizer, self.scheduler, run_state, trainer_state,
+                        processor, self.info, False)
+
+    def load_checkpoint(self, ckpt_dir: Path, run_state: Any) -> dict[str, Any]:
+        """Restore :meth:`save_checkpoint`; returns the trainer state (collective)."""
+        from keye.train.sft import load_checkpoint
+
+        return load_checkpoint(Path(ckpt_dir), self.wrapped, self.optimizer, self.scheduler, run_state, self.info,
+                               False)
+
     def _backward(self, loss: torch.Tensor) -> None:
         if self.wrapped.is_deepspeed:
             self.wrapped.engine.backward(loss, scale_wrt_gas=False)

@@ -331,6 +331,11 @@ class LocalRollout:
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.weight_version = 0  # the learner step whose weights the model holds (see load_weights)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream from ``seed`` (the trainer does it every step, so a step's samples do
+        not depend on how many random numbers earlier steps drew)."""
+        self.generator.manual_seed(seed)
+
     def state_dict(self) -> dict[str, Any]:
         """The sampling generator's state (for exact resume from a checkpoint)."""
         return {"generator": self.generator.get_state()}

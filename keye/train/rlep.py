@@ -78,9 +78,7 @@ from keye.train.sft import (
     MetricsWriter,
     ModelSection,
     list_checkpoints,
-    load_checkpoint,
     prune_checkpoints,
-    save_checkpoint,
 )
 
 log = logging.getLogger("keye.train.rlep")
@@ -489,7 +487,6 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     crash in resume tests). The summary holds per-step ``losses`` (mean over the step's optimizer updates),
     ``rewards`` (mean fresh reward), ``pass_rates`` and the ``eval_curve``.
     """
-    from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
 
@@ -504,42 +501,15 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
-    from keye.rl.learner import Learner
-
     model_path = resolve_model_path(cfg.model.path)
     processor = KeyeProcessor.from_pretrained(resolve_model_path(cfg.model.processor or cfg.model.path))
-    learner = Learner(cfg, info, model_path=model_path)
-    model = learner.model
+    parts = build_components(cfg, info, model_path, processor)
+    learner, engine, rollout_model, eval_model = parts.learner, parts.engine, parts.rollout_model, parts.eval_model
     frozen = learner.frozen
-    # the policy that samples: the learner's own replicated model, or (sharded learner, local engine) a whole
-    # inference copy on every rank that receives the learner's weights after each update, as vLLM would
-    rollout_model = model
-    if learner.sharded and cfg.rollout.engine == "local":
-        rollout_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
-                                               attn_implementation=cfg.model.attn_implementation)
-        rollout_model.to(info.device).eval().requires_grad_(False)
-    # held-out evaluation generates on the main rank alone, so it needs whole weights: the rollout copy, or
-    # (sharded learner + vLLM) a copy on the main rank that is refreshed before each evaluation
-    eval_model = rollout_model
-    if learner.sharded and cfg.rollout.engine != "local" and cfg.eval.manifest:
-        eval_model = None
-        if info.is_main:
-            eval_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
-                                                attn_implementation=cfg.model.attn_implementation)
-            eval_model.to(info.device).eval().requires_grad_(False)
-
     r = cfg.rollout
-    if r.engine == "local":
-        engine: Any = LocalRollout(rollout_model, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                   top_p=r.top_p, top_k=r.top_k, max_batch_size=r.max_batch_size,
-                                   seed=_step_seed(cfg.train.seed, 0, info.rank))
-    else:
-        engine = VLLMRollout(model_path, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                             top_p=r.top_p, top_k=r.top_k, seed=_step_seed(cfg.train.seed, 0, info.rank),
-                             colocate=r.colocate)
     spec = RewardSpec.from_dict(cfg.reward.spec)
     scorer = RewardScorer(spec, pass_value=cfg.reward.pass_value)
-    eos_id = int(model.config.eos_token_ids[0])
+    eos_id = int(learner.config.eos_token_ids[0])
     pad_id = int(processor.pad_token_id)
 
     def encode(text: str) -> list[int]:
@@ -568,8 +538,6 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     eval_scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"], "options": _reward_options(cfg.reward.spec)}),
                                pass_value=cfg.reward.pass_value)
 
-    wrapped, optimizer, scheduler = learner.wrapped, learner.optimizer, learner.scheduler
-
     state: dict[str, Any] = {"step": 0, "losses": [], "rewards": [], "pass_rates": [], "eval_curve": [],
                              "prompt_ids": None, "tokens": 0}
     ckpts = list_checkpoints(out_dir)
@@ -587,15 +555,17 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     stream = PromptStream(prompts, cfg.train.seed, info.rank, info.world_size, cfg.data.shuffle)
     run_state = RunState(stream, pool, engine, info.rank)
     if ckpts:
-        state = load_checkpoint(ckpts[-1], wrapped, optimizer, scheduler, run_state, info, False)
+        state = learner.load_checkpoint(ckpts[-1], run_state)
         if info.is_main:
             log.info("resumed from %s at step %d", ckpts[-1], state["step"])
 
     def sync_engine(version: int) -> None:
         """Send the learner's weights to an engine that holds its own copy (shard by shard, collective)."""
-        if isinstance(engine, VLLMRollout):
+        if hasattr(engine, "sync_from"):  # an engine that pulls them itself (keye.rl.ray_engine)
+            engine.sync_from(learner, version)
+        elif isinstance(engine, VLLMRollout):
             engine.sync_weights(learner.export_weights(r.sync_bytes), version=version)
-        elif rollout_model is not model:
+        elif rollout_model is not learner.model:
             engine.load_weights(learner.export_weights(r.sync_bytes), version=version)
 
     if getattr(engine, "weight_version", state["step"]) != state["step"]:
@@ -618,7 +588,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     def evaluate(step: int) -> None:
         if not eval_prompts:
             return
-        if eval_model is not rollout_model:  # collective: every rank walks the shards, the main rank loads them
+        if rollout_model is None:  # collective: every rank walks the shards, the main rank loads them
             shards = learner.export_weights(r.sync_bytes)
             if info.is_main:
                 load_weight_shards(eval_model, shards)
@@ -636,8 +606,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
     def save(step: int) -> None:
         run_state.snapshot()
-        save_checkpoint(out_dir / f"step_{step:08d}", wrapped, optimizer, scheduler, run_state, state, processor,
-                        info, False)
+        learner.save_checkpoint(out_dir / f"step_{step:08d}", run_state, state, processor)
         if info.is_main:
             prune_checkpoints(out_dir, cfg.checkpoint.keep_last)
 
@@ -648,8 +617,8 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     while state["step"] < cfg.train.steps:
         step = state["step"] + 1
         seed = _step_seed(cfg.train.seed, step, info.rank)
-        if isinstance(engine, LocalRollout):
-            engine.generator.manual_seed(seed)
+        if hasattr(engine, "reseed"):
+            engine.reseed(seed)
         replay_rng = random.Random(seed)
         mode_rng = random.Random(seed + 1)
         t0 = time.time()
@@ -781,6 +750,51 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             print(format_summary(summary, out_dir))
     kdist.barrier()
     return summary
+
+
+@dataclass
+class Components:
+    """What one RL run is made of: the learner, the rollout engine, and the whole-weight models sampling and
+    evaluation run on (``rollout_model`` is the learner's own model when it is replicated, a synced inference
+    copy under a sharded learner, None when the engine holds its own weights; ``eval_model`` the model the
+    main rank evaluates with, None elsewhere)."""
+
+    learner: Any
+    engine: Any
+    rollout_model: Any
+    eval_model: Any
+
+
+def build_components(cfg: RLEPConfig, info: kdist.DistInfo, model_path: Path, processor: Any) -> Components:
+    """The learner and rollout engine of ``cfg`` (``rollout.engine`` local / vllm, ``train.strategy``)."""
+    from keye.model.keye_vl import KeyeVL
+    from keye.rl.learner import Learner
+
+    learner = Learner(cfg, info, model_path=model_path)
+
+    def whole_copy() -> Any:
+        m = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
+                                   attn_implementation=cfg.model.attn_implementation)
+        return m.to(info.device).eval().requires_grad_(False)
+
+    # the policy that samples: the learner's own replicated model, or (sharded learner, local engine) a whole
+    # inference copy on every rank that receives the learner's weights after each update, as vLLM would
+    r = cfg.rollout
+    seed = _step_seed(cfg.train.seed, 0, info.rank)
+    if r.engine == "local":
+        rollout_model = whole_copy() if learner.sharded else learner.model
+        engine: Any = LocalRollout(rollout_model, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                   top_p=r.top_p, top_k=r.top_k, max_batch_size=r.max_batch_size, seed=seed)
+    else:
+        rollout_model = None if learner.sharded else learner.model
+        engine = VLLMRollout(model_path, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                             top_p=r.top_p, top_k=r.top_k, seed=seed, colocate=r.colocate)
+    # held-out evaluation generates on the main rank alone, so it needs whole weights: the rollout model, or
+    # (sharded learner + vLLM) a main-rank copy refreshed from the exported shards before each evaluation
+    eval_model = rollout_model
+    if rollout_model is None:
+        eval_model = whole_copy() if info.is_main and cfg.eval.manifest else None
+    return Components(learner, engine, rollout_model, eval_model)
 
 
 def _reward_options(spec: dict[str, Any]) -> dict[str, Any]:
