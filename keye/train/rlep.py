@@ -680,7 +680,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         sync_engine(step)  # the next rollouts sample the updated policy
         timing["update"] = time.time() - t
 
-        row = _step_metrics(samples, update_stats, info.device)
+        row = _step_metrics(samples, update_stats, info.device, tis=a.tis_cap is not None)
         row.update({f"time/{k}": v for k, v in timing.items()})
         row.update(ds_stats)
         row.update(pool.stats())
@@ -822,11 +822,12 @@ def _filter(prompts: list[RLPrompt], engine: Any, scorer: RewardScorer, cfg: RLE
 
 
 def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str, float]],
-                  device: torch.device) -> dict[str, float]:
+                  device: torch.device, tis: bool = False) -> dict[str, float]:
     """Global (all-rank) step metrics: reward mean and per part, pass rate, replay share, response
     length of the fresh rollouts, and update stats: per update the mean over every rank's loss tokens
     (each rank's stats weighted by its ``local_tokens``, so a rank without tokens adds nothing), then the
-    mean over the step's updates (every rank holds the same updates in the same order)."""
+    mean over the step's updates (every rank holds the same updates in the same order). ``tis``: also the
+    truncated importance-sampling statistics (``algorithm.tis_cap`` set)."""
     fresh = [s for s in samples if s.source == "rollout"]
     valid = [s for s in samples if s.valid]
     sums: dict[str, float] = {
@@ -846,6 +847,8 @@ def _step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str,
         sums[f"part_n/{name}"] = float(len(vals))
     stat_keys = ("clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl", "entropy", "kl",
                  "ratio_mean")
+    if tis:
+        stat_keys += ("tis_weight_mean", "tis_clip_frac", "rollout_logp_abs_diff")
     n_upd = float(len(update_stats))
     for i, st in enumerate(update_stats):
         w = st["local_tokens"]

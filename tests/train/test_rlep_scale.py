@@ -203,3 +203,18 @@ def test_a_failing_rank_fails_the_job_instead_of_hanging_it(tiny_ckpt, rl_set, t
                    env={"FAKE_VLLM_FAIL_RANKS": "1"}, timeout=180)
     assert proc.returncode != 0
     assert "fake vLLM engine failure on this rank" in proc.stdout + proc.stderr
+
+
+def test_tis_correction_in_the_loop_weights_tokens_by_the_engine_learner_ratio(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """``algorithm.tis_cap`` reaches the loss through the learner: the local engine records the log-probs it
+    sampled with, which equal the learner's recomputation (same weights, unfiltered sampling), so every
+    importance weight is 1 and nothing is clipped; the statistics are logged per step."""
+    summary = train(_cfg(tiny_ckpt, rl_set, tmp_path / "tis", "train.steps=2", "algorithm.tis_cap=2.0",
+                         "tree.enabled=true"))
+    assert summary["finished"]
+    rows = [json.loads(x) for x in (tmp_path / "tis/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert row["tis_clip_frac"] == 0.0
+        assert row["rollout_logp_abs_diff"] < 1e-4
