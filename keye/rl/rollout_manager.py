@@ -15,7 +15,7 @@ the new version (partial rollouts), and since no chunk may mix versions the per-
 exact. A worker restarted later gets the latest weights before any work.
 
 Workers are anything implementing :class:`RolloutWorker` (in-process engines, Ray actor handles wrapped in
-a small adapter, test fakes); this module imports neither Ray nor torch.
+a small adapter, test fakes); this module uses neither Ray nor torch itself.
 """
 
 from __future__ import annotations

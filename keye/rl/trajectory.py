@@ -30,7 +30,7 @@ Events carry the ``attempt`` number of the dispatch that produced them, so token
 declared dead (and whose trajectory was since handed to another worker) are ignored instead of being
 appended twice.
 
-The manager is plain Python (no torch, no Ray, no threads); :meth:`TrajectoryManager.state_dict` is
+The manager is plain Python (it uses no torch, Ray or threads); :meth:`TrajectoryManager.state_dict` is
 JSON-serialisable and restores the exact state, so a driver resumed from a checkpoint continues with the
 same queue, the same partial outputs and the same counters.
 """

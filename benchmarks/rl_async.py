@@ -1,0 +1,169 @@
+"""RL throughput of asynchronous (SeamlessFlow-style) vs synchronous rollouts.
+
+Part (b), the simulated cluster: first measures keye-tiny's costs on this machine (one decode step of
+``model.generate`` at batch 1 and 16, prefill per prompt token, forward + backward per training token and
+one AdamW step, copying the weights into a second model as the weight sync), then feeds them to the
+discrete-event model of :mod:`keye.rl.simulate`: ``--gpus`` devices each costing what keye-tiny costs here,
+``--prompts`` x ``--group`` answers per update with lognormal lengths (``--mu``, ``--sigma``, capped at
+``--max-tokens``), synchronous RL (all devices generate, then all train, then sync) vs asynchronous RL with
+staleness ``--staleness`` (the best of colocated and tag-shared placements). Each device decodes at most
+``prompts * group / gpus`` answers at once, so the synchronous loop starts the whole batch at once.
+
+Costs are measured on one CPU thread: with two threads on a shared machine the decode step time varied
+twenty-fold between runs, with one it varied by about a quarter.
+
+A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, and a what-if where a decode step
+costs the same for any number of answers (memory-bound decoding, as a large model on a GPU; the step is
+priced at the measured full-batch cost), which is not measured here. The last line gives the simulated
+ratio for the measured costs.
+
+Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from dataclasses import replace
+
+import torch
+
+import keye
+from keye.rl.simulate import ClusterConfig, compare
+
+
+def _best_of(fn, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` timings of ``fn()`` (the machine is shared: the minimum is the least
+    disturbed)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, train_len: int = 128
+                  ) -> dict[str, float]:
+    """keye-tiny's costs on this machine (seconds, each the best of 5 timings): ``decode_step_s`` +
+    ``decode_token_s`` * n for one decode step of n answers (fitted through batches 1 and ``wide``), ``prefill_token_s`` per prompt token, ``train_token_s`` per trained token
+    (forward + backward), ``train_step_s`` per AdamW step, ``sync_s`` per full weight copy."""
+    model, processor = keye.load_tiny()
+    model.eval()
+
+    def batch(n: int, words: int):
+        msgs = [[{"role": "user", "content": [{"type": "text", "text": "how many apples are left " * words}]}]]
+        return processor(msgs * n, return_tensors="pt")
+
+    def gen(b, new_tokens: int):
+        # eos_token_id=[]: never stop early, so exactly new_tokens steps run
+        model.generate(**b, max_new_tokens=new_tokens, do_sample=True, eos_token_id=[],
+                       generator=torch.Generator().manual_seed(0))
+
+    per_step = {}
+    for n in (1, wide):
+        b = batch(n, 4)
+        gen(b, 2)  # warm-up
+        per_step[n] = (_best_of(lambda b=b: gen(b, 1 + decode_steps)) - _best_of(lambda b=b: gen(b, 1))) / decode_steps
+    # timing noise can make the difference negative: a cost below zero is not a cost
+    decode_token_s = max(0.0, (per_step[wide] - per_step[1]) / (wide - 1))
+    decode_step_s = max(1e-6, per_step[1] - decode_token_s)
+
+    short, long = batch(1, 4), batch(1, 64)
+    n_short, n_long = short["input_ids"].shape[1], long["input_ids"].shape[1]
+    prefill_token_s = max(0.0, (_best_of(lambda: gen(long, 1)) - _best_of(lambda: gen(short, 1))) / (n_long - n_short))
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    # text tokens only (random ids would include vision placeholders); each row a different shift
+    text = processor.tokenizer("the farmer counts the apples in each basket and writes the total " * 40,
+                               add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([text[r : r + train_len] for r in range(train_rows)], dtype=torch.long)
+
+    def fwd_bwd():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+
+    def opt_step():
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):  # warm-up: the first passes allocate and are several times slower
+        fwd_bwd()
+        opt_step()
+    train_token_s = _best_of(fwd_bwd) / ids.numel()
+    steps = []
+    for _ in range(5):  # each timed AdamW step needs fresh gradients
+        fwd_bwd()
+        steps.append(_best_of(opt_step, 1))
+    train_step_s = min(steps)
+    model.eval()
+
+    twin = copy.deepcopy(model)
+    sync_s = _best_of(lambda: twin.load_state_dict(model.state_dict()))
+    return {"decode_step_s": decode_step_s, "decode_token_s": decode_token_s, "prefill_token_s": prefill_token_s,
+            "train_token_s": train_token_s, "train_step_s": train_step_s, "sync_s": sync_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=128, help="prompts (groups) per update")
+    parser.add_argument("--group", type=int, default=16, help="answers per prompt")
+    parser.add_argument("--steps", type=int, default=10, help="simulated updates (the first --warmup not timed)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--mu", type=float, default=6.0, help="lognormal mu of answer lengths (median exp(mu))")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of answer lengths")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="answer length cap")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the sigma / staleness sweep")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    t0 = time.perf_counter()
+    costs = measure_costs()
+    print(f"keye-tiny costs measured on this machine in {time.perf_counter() - t0:.0f} s (one thread, best of 5):")
+    print(f"  decode step: {costs['decode_step_s'] * 1e3:.2f} ms + {costs['decode_token_s'] * 1e3:.3f} ms per answer "
+          f"in the batch; prefill {costs['prefill_token_s'] * 1e6:.1f} us/token")
+    print(f"  training: {costs['train_token_s'] * 1e6:.1f} us/token (forward + backward), AdamW step "
+          f"{costs['train_step_s'] * 1e3:.1f} ms; weight sync {costs['sync_s'] * 1e3:.1f} ms")
+
+    per_gpu = max(1, args.prompts * args.group // args.gpus)
+    cfg = ClusterConfig(
+        n_gpus=args.gpus, batch_prompts=args.prompts, group_size=args.group, steps=args.steps,
+        warmup_steps=args.warmup, length_mu=args.mu, length_sigma=args.sigma, max_tokens=args.max_tokens,
+        prompt_tokens=args.prompt_tokens, max_concurrent=per_gpu, seed=args.seed, **costs,
+    )
+    lengths = cfg.lengths(args.steps * args.prompts)
+    print(f"simulated cluster: {args.gpus} devices; {args.prompts} prompts x {args.group} answers per update; "
+          f"lengths lognormal(mu={args.mu}, sigma={args.sigma}) capped at {args.max_tokens} "
+          f"(median {int(sorted(lengths.ravel())[lengths.size // 2])}, mean {lengths.mean():.0f}, "
+          f"{(lengths == args.max_tokens).mean() * 100:.1f}% at the cap); {per_gpu} answers decoded at once "
+          f"per device; {args.steps} updates, first {args.warmup} not timed")
+    sync, best = compare(cfg, args.staleness)
+    ratio = best.samples_per_s / sync.samples_per_s
+    where = "colocated" if best.placement == "colocated" else f"tagged, {best.train_gpus} train-tagged devices"
+    print(f"  sync : {sync.samples_per_s:8.2f} samples/s  (decoding {sync.decode_busy * 100:.0f}% of device time)")
+    print(f"  async: {best.samples_per_s:8.2f} samples/s  (staleness {args.staleness}, {where}; decoding "
+          f"{best.decode_busy * 100:.0f}% of device time; largest staleness used {best.max_staleness_seen}; "
+          f"{best.partial} answers continued across a weight update, {best.preempted} preemptions)")
+
+    if not args.no_sweep:
+        flat = replace(cfg, decode_step_s=cfg.decode_step_s + cfg.decode_token_s * per_gpu, decode_token_s=0.0)
+        print("sweep (async / sync, best placement):")
+        for name, base in (("measured costs", cfg), ("what-if, decode step independent of batch", flat)):
+            for sigma in (0.5, 1.0, 1.5):
+                row = []
+                for k in (1, 2):
+                    s, a = compare(replace(base, length_sigma=sigma), k)
+                    row.append(f"staleness {k}: {a.samples_per_s / s.samples_per_s:.2f}x")
+                print(f"  {name}, sigma {sigma}: " + ", ".join(row))
+    print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
