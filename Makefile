@@ -5,7 +5,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   := torch==2.14.1 torchvision==0.29.1
-EXTRAS  := test,video,train,data,demo,eval,serve
+EXTRAS  := test,video,train,data,demo,eval,serve,ray
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast lint bench clean demo
