@@ -234,6 +234,37 @@ class EvalSection:
 
 
 @dataclass
+class RaySection:
+    """Where the Ray components run (``rl.engine: ray``; keye/rl/ray_engine.py, docs/rl_ray.md)."""
+
+    address: str | None = None  # None: start a local cluster with this machine's CPUs; "auto": join `ray start`
+    num_cpus: int | None = None  # local cluster only: CPUs it offers (None: all of this machine's)
+    learners: int = 1  # learner actors = ranks of one torch process group (train.strategy across them)
+    rollout_workers: int = 1  # actors holding a whole-weight rollout engine (prompts split by index)
+    reward_workers: int = 2  # actors scoring in parallel (0: score in the driver)
+    reward_timeout_s: float = 60.0  # a reward call slower than this is killed and re-run on a new worker
+    max_restarts: int = 3  # restarts of one worker within one call before the run fails
+    learner_cpus: float = 1.0
+    learner_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    rollout_cpus: float = 1.0
+    rollout_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    reward_cpus: float = 1.0
+    torch_threads: int | None = None  # torch CPU threads per actor (None: its whole CPUs, at least 1)
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # one placement group, all actors
+    placement_timeout_s: float = 300.0  # fail with the missing resources when the group cannot be placed
+
+
+@dataclass
+class RLSection:
+    """How the RL loop is executed: in this process group (``process``) or on Ray actors (``ray``)."""
+
+    engine: Literal["process", "ray"] = "process"
+    mode: Literal["sync", "async"] = "sync"  # sync: the on-policy loop; async needs rl.engine=ray
+    max_staleness: int = 1  # async: weight versions an answer may lag the learner
+    ray: RaySection = field(default_factory=RaySection)
+
+
+@dataclass
 class RLEPConfig:
     """The whole ``keye train rlep`` config (YAML sections of the same names)."""
 
@@ -248,6 +279,7 @@ class RLEPConfig:
     checkpoint: RLCheckpointSection = field(default_factory=RLCheckpointSection)
     log: RLLogSection = field(default_factory=RLLogSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    rl: RLSection = field(default_factory=RLSection)
 
 
 def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
@@ -508,7 +540,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     frozen = learner.frozen
     r = cfg.rollout
     spec = RewardSpec.from_dict(cfg.reward.spec)
-    scorer = RewardScorer(spec, pass_value=cfg.reward.pass_value)
+    scorer = parts.scorer if parts.scorer is not None else RewardScorer(spec, pass_value=cfg.reward.pass_value)
     eos_id = int(learner.config.eos_token_ids[0])
     pad_id = int(processor.pad_token_id)
 
@@ -763,10 +795,18 @@ class Components:
     engine: Any
     rollout_model: Any
     eval_model: Any
+    scorer: Any = None  # what scores samples (None: a RewardScorer in this process)
 
 
 def build_components(cfg: RLEPConfig, info: kdist.DistInfo, model_path: Path, processor: Any) -> Components:
-    """The learner and rollout engine of ``cfg`` (``rollout.engine`` local / vllm, ``train.strategy``)."""
+    """The learner and rollout engine of ``cfg`` (``rollout.engine`` local / vllm, ``train.strategy``); with
+    ``rl.engine: ray`` the Ray actors of :mod:`keye.rl.ray_engine` (Ray is imported only then)."""
+    if cfg.rl.engine == "ray":
+        from keye.rl.ray_engine import build_ray_components
+
+        return build_ray_components(cfg, info, model_path, processor)
+    if cfg.rl.mode != "sync":
+        raise KeyeConfigError(f"rl.mode={cfg.rl.mode} needs rl.engine=ray (the in-process loop is synchronous)")
     from keye.model.keye_vl import KeyeVL
     from keye.rl.learner import Learner
 

@@ -1,0 +1,341 @@
+"""RL on Ray, sync mode (keye/rl/ray_engine.py): the Ray loop equals the in-process loop for the same seed
+(one learner actor exactly, two FSDP2 learner actors within 2e-5), a killed rollout worker is restarted and
+its request re-sent without changing the results, a resumed Ray run equals the uninterrupted one, reward
+workers that die or hang are replaced and their share re-scored, and the in-process recipe never imports Ray.
+
+The Ray tests share one local cluster (2 CPUs, no dashboard) started by a module fixture and shut down after.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from keye import KeyeVL
+from keye.errors import KeyeConfigError
+from keye.rl import RLPrompt, RolloutSample
+from keye.rl.learner import Learner, UpdateResult
+from keye.rl.rollout import PromptInputs
+from keye.train.config import load_config
+from keye.train.rlep import RLEPConfig, train
+from tests.rl import _ray_faults
+from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
+from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - fixture used by name
+
+REPO = Path(__file__).resolve().parents[2]
+
+# 2 steps x 2 PPO epochs x 2 mini-batches (the driver plans them), an intermediate checkpoint, held-out evaluation
+ARGS = ("train.steps=2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "checkpoint.save_every=1",
+        "eval.max_new_tokens=3", "eval.limit=2")
+# small actors for a 2-CPU cluster; the same torch thread count as this process makes the CPU float reductions
+# (hence every number) identical to the in-process run
+RAY = ("rl.engine=ray", "rl.ray.learner_cpus=0.5", "rl.ray.rollout_cpus=0.5", "rl.ray.reward_cpus=0.25",
+       "rl.ray.reward_workers=1", f"rl.ray.torch_threads={torch.get_num_threads()}")
+
+
+def _rows(run: Path) -> list[dict]:
+    """The metrics rows without wall-clock entries."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in rows]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return KeyeVL.from_pretrained(path).state_dict()
+
+
+def _events(run: Path) -> list[dict]:
+    f = run / "ray_events.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.is_file() else []
+
+
+def _assert_released(ray) -> None:
+    """The finished run's actors are gone and its placement group removed (the session is collected)."""
+    gc.collect()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        live = [n for n in ray.util.list_named_actors() if n.startswith("keye-")]
+        groups = [g["state"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not live and not groups:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"still held after the run: actors {live}, placement groups {groups}")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(_ray_faults)  # the workers cannot import the tests package
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+    """The in-process run every Ray run is compared with."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    summary = train(_cfg(tiny_ckpt, rl_set, out, *ARGS, f"eval.manifest={rl_set['test']}"))
+    return summary, out
+
+
+# ------------------------------------------------------------------------------------------ fast
+def test_config_checks_name_the_key():
+    from keye.rl.ray_engine import check_ray_config
+    from keye.train import dist as kdist
+    from keye.train.rlep import build_components
+
+    def bad(*over: str, world: int = 1) -> str:
+        with pytest.raises(KeyeConfigError) as err:
+            check_ray_config(load_config(RLEPConfig, None, ["rl.engine=ray", *over]), world)
+        return str(err.value)
+
+    check_ray_config(load_config(RLEPConfig, None, ["rl.engine=ray"]))
+    assert "rl.mode=async is not available yet" in bad("rl.mode=async")
+    assert "not torchrun" in bad(world=2)
+    assert "rl.ray.learners must be >= 1" in bad("rl.ray.learners=0")
+    assert "rl.ray.reward_workers must be >= 0" in bad("rl.ray.reward_workers=-1")
+    assert "rl.ray.reward_timeout_s must be > 0" in bad("rl.ray.reward_timeout_s=0")
+    assert "rl.ray.rollout_cpus must be > 0" in bad("rl.ray.rollout_cpus=0")
+    assert "rl.ray.learner_gpus must be >= 0" in bad("rl.ray.learner_gpus=-1")
+    assert "rl.ray.num_cpus" in bad("rl.ray.num_cpus=4", "rl.ray.address=auto")
+    assert "needs a GPU per rollout worker" in bad("rollout.engine=vllm", "rl.ray.rollout_gpus=0")
+    with pytest.raises(KeyeConfigError, match="rl.ray.placement"):
+        load_config(RLEPConfig, None, ["rl.ray.placement=ANYWHERE"])
+    # the in-process loop is synchronous: asking it for async fails before anything is built
+    with pytest.raises(KeyeConfigError, match="rl.mode=async needs rl.engine=ray"):
+        build_components(load_config(RLEPConfig, None, ["rl.mode=async"]), kdist.DistInfo(), Path("."), None)
+
+
+def test_splits_cover_everything_deterministically():
+    from keye.rl.ray_engine import assign_groups, split_even, worker_seed
+
+    for n, parts in ((7, 3), (2, 4), (0, 2), (6, 1)):
+        spans = split_even(n, parts)
+        assert len(spans) == parts and [i for lo, hi in spans for i in range(lo, hi)] == list(range(n))
+        assert max(hi - lo for lo, hi in spans) - min(hi - lo for lo, hi in spans) <= 1
+    assert worker_seed(12345, 0) == 12345
+    assert len({worker_seed(12345, k) for k in range(8)}) == 8 and worker_seed(1, 3) == worker_seed(1, 3)
+
+    prompt = RLPrompt("q", [{"role": "user", "content": "x"}])
+    sizes = [5, 1, 1, 4, 2, 2]  # group g has sizes[g] samples of 3 response + 2 prompt tokens
+    samples = [RolloutSample(prompt, g, PromptInputs(torch.ones(2, dtype=torch.long)), torch.ones(3, dtype=torch.long),
+                             "t", True) for g, k in enumerate(sizes) for _ in range(k)]
+    assert assign_groups(samples, 1) == [list(range(len(samples)))]
+    shares = assign_groups(samples, 2)
+    assert sorted(i for s in shares for i in s) == list(range(len(samples)))
+    for share in shares:  # whole groups, batch order kept
+        assert share == sorted(share)
+        assert all(sum(samples[i].group == g for i in share) in (0, sizes[g]) for g in range(len(sizes)))
+    assert sorted(len(s) for s in shares) == [7, 8]  # 5+2 / 4+1+1+2 samples: balanced by tokens
+    assert assign_groups(samples, 2) == shares
+
+
+def test_driver_plan_is_the_learners_own_plan():
+    """plan_updates draws the mini-batches Learner.update draws in one process (several epochs, a last
+    short mini-batch, an empty one appended)."""
+    from types import SimpleNamespace
+
+    from keye.rl.ray_engine import plan_updates
+
+    prompt = RLPrompt("q", [{"role": "user", "content": "x"}])
+    samples = [RolloutSample(prompt, g, PromptInputs(torch.ones(2, dtype=torch.long)), torch.ones(2, dtype=torch.long),
+                             "t", True) for g in (0, 0, 1, 2, 2, 2, 3, 4)]
+    where = {id(s): i for i, s in enumerate(samples)}
+    for epochs, mbs in ((2, 2), (3, 4), (1, 1), (1, 6)):
+        chosen: list[list[int]] = []
+
+        def record(batch, chosen=chosen, **kw):  # every mini-batch "has no loss token": nothing is stepped
+            chosen.append([where[id(s)] for s in batch])
+
+        fake = SimpleNamespace(
+            cfg=SimpleNamespace(algorithm=SimpleNamespace(ppo_epochs=epochs, mini_batches=mbs)), accumulate=record,
+            scheduler=SimpleNamespace(get_last_lr=lambda: [0.0], step=lambda: None))
+        Learner.update(fake, samples, n_groups=5, seed=77, pad_id=0, use_tree=False, loss_kwargs={})
+        assert plan_updates(samples, n_groups=5, seed=77, ppo_epochs=epochs, mini_batches=mbs) == chosen
+        assert len(chosen) == epochs * mbs
+
+
+def test_merged_rank_stats_are_the_union_stats():
+    """Per-rank token-weighted means merge into the mean over every rank's tokens; losses (each rank's share
+    of a globally normalised loss) add up."""
+    from keye.rl.ray_engine import merge_updates
+
+    gen = torch.Generator().manual_seed(0)
+    per_rank = [torch.rand(n, generator=gen, dtype=torch.float64) for n in (5, 0, 11)]  # rank 1 has no token
+    ratio = [torch.rand(len(t), generator=gen, dtype=torch.float64) + 0.5 for t in per_rank]
+    results = []
+    for t, r in zip(per_rank, ratio):
+        st = {"loss": float(t.sum()) / 16, "tokens": 16.0, "sequences": 4.0, "local_tokens": float(len(t))}
+        if len(t):
+            st.update(clip_frac=float(t.mean()), ratio_max=float(r.max()), ratio_min=float(r.min()))
+        results.append(UpdateResult([st], [0.5], 1, 1e-3))
+    merged = merge_updates(results)
+    union, uratio = torch.cat(per_rank), torch.cat(ratio)
+    st = merged.stats[0]
+    assert st["clip_frac"] == pytest.approx(float(union.mean()), rel=1e-12)
+    assert st["loss"] == pytest.approx(float(union.sum()) / 16, rel=1e-12)
+    assert st["local_tokens"] == 16.0 and st["tokens"] == 16.0
+    assert st["ratio_max"] == float(uratio.max()) and st["ratio_min"] == float(uratio.min())
+    assert (merged.grad_norms, merged.skipped, merged.lr) == ([0.5], 1, 1e-3)
+    from keye.rl.rollout_manager import WorkerProtocolError
+
+    with pytest.raises(WorkerProtocolError, match="left lockstep"):
+        merge_updates([results[0], UpdateResult([], [], 2, 1e-3)])
+
+
+def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    over = [f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=1", "rollout.G=2",
+            "rollout.max_new_tokens=2", "replay.enabled=false", "train.steps=1", "log.progress=false",
+            "train.device=cpu", f"checkpoint.out_dir={tmp_path / 'run'}"]
+    code = ("import sys\nfrom keye.train.rlep import RLEPConfig, train\nfrom keye.train.config import load_config\n"
+            f"s = train(load_config(RLEPConfig, None, {over!r}))\nassert s['finished']\n"
+            "print('ray modules:', sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ray modules: []" in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ Ray runs
+@pytest.mark.slow
+def test_one_learner_actor_equals_one_process(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    ref, ref_dir = reference
+    run = tmp_path / "ray"
+    got = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY))
+    assert got["finished"] and got["steps"] == 2 and got["strategy"] == "none"
+    # exactly: the same samples, log-probs, updates, metrics, evaluations and final weights
+    assert got["losses"] == ref["losses"] and got["rewards"] == ref["rewards"]
+    assert got["eval_curve"] == ref["eval_curve"] and len(got["eval_curve"]) == 2
+    assert got["param_checksum"] == ref["param_checksum"]
+    assert _rows(run) == _rows(ref_dir) and len(_rows(run)) == 4  # 2 steps + 2 evaluations
+    a, b = _weights(ref_dir / "final"), _weights(run / "final")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(torch.equal(a[k], v) for k, v in _weights(tiny_ckpt).items() if v.numel() > 64)  # it trained
+    assert (run / "step_00000001" / "DONE").is_file() and _events(run) == []
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_learner_actors_equal_one_process(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    ref, ref_dir = reference
+    run = tmp_path / "ray2"
+    got = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY, "rl.ray.learners=2", "train.strategy=fsdp2",
+                     "rl.ray.torch_threads=1"))
+    assert got["finished"] and got["strategy"] == "fsdp2"
+    # the rollouts sample the (numerically equal) updated policy, so they are the same answers
+    assert got["rewards"] == ref["rewards"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=2e-5)
+    rows = [r for r in _rows(run) if "loss" in r]
+    ref_rows = [r for r in _rows(ref_dir) if "loss" in r]
+    assert len(rows) == len(ref_rows) == 2
+    for r, q in zip(rows, ref_rows):
+        assert r["response_length"] == q["response_length"] and r["pass_rate"] == q["pass_rate"]
+        assert r["entropy"] == pytest.approx(q["entropy"], abs=2e-5)
+        assert r["clip_frac"] == pytest.approx(q["clip_frac"], abs=1e-9)
+    a, b = _weights(ref_dir / "final"), _weights(run / "final")
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 2e-5, f"max |2 FSDP2 learner actors - 1 process| = {worst:.3g}"
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_killed_rollout_worker_is_restarted_and_changes_nothing(ray_cluster, reference, tiny_ckpt, rl_set,  # noqa: F811
+                                                                 tmp_path):
+    ref, ref_dir = reference
+    run = tmp_path / "kill"
+    killed: dict[str, int] = {}
+
+    def kill_after_first_step() -> None:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            f = run / "metrics.jsonl"
+            if f.is_file() and any(json.loads(x).get("step") == 1 and "loss" in x for x in f.read_text().splitlines()):
+                worker = ray_cluster.get_actor("keye-rollout-0-0")
+                killed["pid"] = ray_cluster.get(worker.pid.remote())
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    got = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY))
+    killer.join(timeout=5)
+    assert killed, "the rollout worker was not killed during the run"
+    events = _events(run)
+    assert [e["event"] for e in events] == ["died", "restarted", "requeued"], events
+    assert all(e["component"] == "rollout" and e["worker"] == 0 for e in events)
+    assert events[-1]["counts"] == {"rollout/died": 1, "rollout/restarted": 1, "rollout/requeued": 1}
+    # the replacement served the same weights from the same random state: the run is the uninterrupted one
+    assert got["finished"] and got["losses"] == ref["losses"] and got["rewards"] == ref["rewards"]
+    steps = [r for r in _rows(run) if "loss" in r]
+    assert steps == [r for r in _rows(ref_dir) if "loss" in r]
+    a, b = _weights(ref_dir / "final"), _weights(run / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_ray_run_resumes_exactly(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """Stopped after step 1 (checkpoint written by the learner actor with the driver's run state), a new
+    Ray run resumes from it and ends where the uninterrupted in-process run ends."""
+    ref, ref_dir = reference
+    run = tmp_path / "resume"
+    part = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY), stop_after=1)
+    assert not part["finished"] and part["steps"] == 1
+    gc.collect()
+    resumed = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY))
+    assert resumed["finished"] and resumed["losses"] == ref["losses"] and resumed["rewards"] == ref["rewards"]
+    a, b = _weights(ref_dir / "final"), _weights(run / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_reward_workers_that_die_or_hang_are_replaced(ray_cluster, tmp_path):
+    from keye.rl.ray_engine import EventLog, RaySession, RayWorkerError, RemoteScorer
+    from keye.train.rlep import RaySection
+
+    prompt = RLPrompt("q", [{"role": "user", "content": "x"}])
+    texts = ["alpha", "b", "gamma ray", "delta", "", "epsilon zeta"]
+    samples = [RolloutSample(prompt, i, PromptInputs(torch.ones(3, dtype=torch.long)), torch.ones(2, dtype=torch.long),
+                             t, True) for i, t in enumerate(texts)]
+    want = [_ray_faults.text_score(t) for t in texts]
+    events = EventLog(tmp_path / "events.jsonl")
+    session = RaySession(RaySection(learners=0, rollout_workers=0, reward_workers=2, reward_cpus=0.25), events)
+    try:
+        marker = tmp_path / "marker"
+        scorer = RemoteScorer(session, _ray_faults.FlakyScorerFactory(str(marker)), 2, timeout_s=4.0, max_restarts=1)
+        assert scorer(samples).rewards == want and not events.counts
+
+        _ray_faults.arm(marker, "die")
+        got = scorer(samples)
+        assert got.rewards == want and got.passed == [r > 0.5 for r in want]
+        assert [p["text"] for p in got.parts] == want
+        assert events.counts == {"reward/died": 1, "reward/restarted": 1, "reward/requeued": 1}
+
+        _ray_faults.arm(marker, "hang")
+        t0 = time.time()
+        assert scorer(samples).rewards == want
+        assert time.time() - t0 >= 4.0  # waited for the timeout, then re-scored the share elsewhere
+        assert events.counts["reward/timeout"] == 1 and events.counts["reward/restarted"] == 2
+        assert events.counts["reward/requeued"] == 2
+        rows = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert [r["event"] for r in rows] == ["died", "restarted", "requeued", "timeout", "restarted", "requeued"]
+
+        scorer.pool.max_restarts = 0
+        _ray_faults.arm(marker, "die")
+        with pytest.raises(RayWorkerError, match="score failed 1 times"):
+            scorer(samples)
+    finally:
+        session.close()
+    _assert_released(ray_cluster)
