@@ -102,7 +102,8 @@ def check_ray_config(cfg: Any, world_size: int = 1) -> None:
         raise KeyeConfigError(f"rl.ray.reward_workers must be >= 0 (0: score in the driver), got {rs.reward_workers}")
     if rs.max_restarts < 0:
         raise KeyeConfigError(f"rl.ray.max_restarts must be >= 0, got {rs.max_restarts}")
-    for key in ("reward_timeout_s", "placement_timeout_s", "learner_cpus", "rollout_cpus", "reward_cpus"):
+    for key in ("reward_timeout_s", "placement_timeout_s", "sync_timeout_s", "learner_cpus", "rollout_cpus",
+                "reward_cpus"):
         if not getattr(rs, key) > 0:
             raise KeyeConfigError(f"rl.ray.{key} must be > 0, got {getattr(rs, key)}")
     for key in ("learner_gpus", "rollout_gpus"):
@@ -227,6 +228,70 @@ def _threads(num_cpus: float, override: int | None) -> int:
     return override if override is not None else max(1, int(num_cpus))
 
 
+# ---------------------------------------------------------------------------------- broadcast weight sync
+def open_sync_group(addr: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> tuple[Any, Any]:
+    """A process group of its own (not the default one: learner ranks already have theirs) for the weight
+    broadcast: learner rank 0 is rank 0 and hosts the rendezvous store at ``addr:port``, rollout worker ``k`` is
+    rank ``k + 1``. ``backend`` ``nccl`` (GPU tensors) or ``gloo`` (CPU tensors). Returns (store, group); keep
+    both alive while the group is used. Every member must call it at the same time."""
+    import datetime
+
+    from torch import distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout)
+    cls = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+    return store, cls(store, rank, world, timeout)
+
+
+def _bcast(group: Any, t: torch.Tensor) -> None:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([t], opts).wait()
+
+
+def broadcast_shards(group: Any, shards: Iterator[dict[str, torch.Tensor]], device: torch.device) -> int:
+    """Send weight shards from rank 0 of ``group``: per shard a JSON header (names, dtypes, shapes) and one
+    byte buffer per dtype (every tensor of that dtype, flattened and concatenated), then an empty header.
+    Returns the number of tensors sent. The receivers run :func:`receive_shards`."""
+    sent = 0
+    for shard in shards:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, t in shard.items():
+            by_dtype.setdefault(t.dtype, []).append(name)
+        header = [[str(dt).removeprefix("torch."), [[n, list(shard[n].shape)] for n in names]]
+                  for dt, names in by_dtype.items()]
+        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
+        _bcast(group, torch.tensor([raw.numel()], dtype=torch.long, device=device))
+        _bcast(group, raw)
+        for names in by_dtype.values():
+            flat = torch.cat([shard[n].detach().to(device).reshape(-1) for n in names])
+            _bcast(group, flat.view(torch.uint8))
+            sent += len(names)
+    _bcast(group, torch.zeros(1, dtype=torch.long, device=device))
+    return sent
+
+
+def receive_shards(group: Any, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """The shards :func:`broadcast_shards` sends, one at a time (consume to the end: the sender waits for
+    every receiver in each collective)."""
+    while True:
+        size = torch.zeros(1, dtype=torch.long, device=device)
+        _bcast(group, size)
+        if int(size.item()) == 0:
+            return
+        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        _bcast(group, raw)
+        shard: dict[str, torch.Tensor] = {}
+        for dt, entries in json.loads(raw.cpu().numpy().tobytes().decode()):
+            numels = [int(np.prod(shape, dtype=np.int64)) for _, shape in entries]
+            flat = torch.empty(sum(numels), dtype=getattr(torch, dt), device=device)
+            _bcast(group, flat.view(torch.uint8))  # received in place through the byte view
+            for (name, shape), piece in zip(entries, flat.split(numels)):
+                shard[name] = piece.view(shape)
+        yield shard
+
+
 def _slim(s: RolloutSample) -> RolloutSample:
     """What a reward worker needs of a sample: its text, prompt, response ids and validity (not the pixels
     of the prompt, nor the log-probs)."""
@@ -286,6 +351,7 @@ class LearnerActor:
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.learner: Any = None
         self.processor: Any = None
+        self.sync: tuple[Any, Any] | None = None  # (store, group) of the weight broadcast
 
     def pid(self) -> int:
         """This actor's process id."""
@@ -353,6 +419,24 @@ class LearnerActor:
         """Walk the collective export without keeping anything (ranks > 0 while rank 0 streams)."""
         return sum(len(shard) for shard in self.learner.export_weights(max_bytes))
 
+    def open_sync_group(self, addr: str, port: int, world: int, backend: str, timeout_s: float) -> None:
+        """Join (as rank 0, hosting the store) a new weight-broadcast group with the rollout workers."""
+        self.sync = None  # a previous group (with a dead member) is dropped first
+        self.sync = open_sync_group(addr, port, 0, world, backend, timeout_s)
+        self.sync_device = self.learner.device if backend == "nccl" else torch.device("cpu")
+
+    def broadcast_weights(self, max_bytes: int) -> int:
+        """Broadcast the exported weights to the rollout workers (:func:`broadcast_shards`); returns the
+        number of tensors. If the broadcast fails (a worker died) the export is still walked to its end, so
+        the other learner ranks are not left waiting in its collectives."""
+        shards = self.learner.export_weights(max_bytes)
+        try:
+            return broadcast_shards(self.sync[1], shards, self.sync_device)
+        except Exception:
+            for _ in shards:
+                pass
+            raise
+
     def save(self, ckpt_dir: str, run_state: Any, trainer_state: dict[str, Any]) -> None:
         """:meth:`Learner.save_checkpoint` with the driver's run state (collective)."""
         self.learner.save_checkpoint(Path(ckpt_dir), _HeldState(run_state), trainer_state, self.processor)
@@ -383,6 +467,7 @@ class RolloutActor:
         from keye.train import dist as kdist
 
         torch.set_num_threads(threads)
+        self.sync: tuple[Any, Any] | None = None  # (store, group) of the weight broadcast
         r = cfg.rollout
         info = kdist.init_distributed(cfg.train.device)  # no WORLD_SIZE here: picks the device (and CPU flags)
         cm = cfg.model
@@ -432,7 +517,19 @@ class RolloutActor:
     def load_weights(self, refs: list[Any], version: int) -> int:
         """Load the shards behind ``refs`` (object refs of ``{name: tensor}``, fetched one at a time) and serve
         ``version`` from now on; returns the number of tensors loaded."""
-        shards = (ray.get(ref) for ref in refs)
+        return self._load((ray.get(ref) for ref in refs), version)
+
+    def open_sync_group(self, addr: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
+        """Join (as ``rank``) a new weight-broadcast group with learner rank 0."""
+        self.sync = None
+        self.sync = open_sync_group(addr, port, rank, world, backend, timeout_s)
+        self.sync_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def receive_weights(self, version: int) -> int:
+        """Load the shards learner rank 0 broadcasts and serve ``version``; returns the number of tensors."""
+        return self._load(receive_shards(self.sync[1], self.sync_device), version)
+
+    def _load(self, shards: Iterator[dict[str, torch.Tensor]], version: int) -> int:
         if self.kind == "local":
             return self.engine.load_weights(shards, version=int(version))
         return self.engine.sync_weights(shards, version=int(version))
@@ -504,8 +601,11 @@ class RaySession:
     """
 
     def __init__(self, section: Any, events: EventLog):
+        import gc
+
         self.section, self.events = section, events
         self.started = connect(section)
+        gc.collect()  # a finished run's session still awaiting collection releases its resources first
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.learner_gpus = section.learner_gpus if section.learner_gpus is not None else float(has_gpus)
         self.rollout_gpus = section.rollout_gpus if section.rollout_gpus is not None else float(has_gpus)
@@ -626,6 +726,12 @@ class RemoteLearner:
         ray.get(drains)
         return refs
 
+    def broadcast_refs(self, max_bytes: int) -> list[Any]:
+        """Start the weight broadcast of rank 0 (:meth:`LearnerActor.broadcast_weights`) with the other ranks
+        walking the collective export alongside; returns the calls' refs."""
+        return ([self.actors[0].broadcast_weights.remote(max_bytes)]
+                + [a.drain_export.remote(max_bytes) for a in self.actors[1:]])
+
     def export_weights(self, max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The current weights as shards in this process (held one at a time), like
         :meth:`Learner.export_weights`."""
@@ -674,15 +780,25 @@ class _WorkerPool:
         # timeout never includes a worker's start-up
         ray.get([w.pid.remote() for w in self.workers])
 
-    def restart(self, i: int) -> None:
-        """Replace worker ``i`` (killing the old one), wait until the new one is up and prepare it."""
+    def restart(self, i: int, prepare: bool = True) -> None:
+        """Replace worker ``i`` (killing the old one), wait until the new one is up and (``prepare``) prepare it."""
         self.session.retire(self.workers[i])
         self.generation[i] += 1
         self.workers[i] = self.make(i, self.generation[i])
         ray.get(self.workers[i].pid.remote())
-        if self.prepare is not None:
-            self.prepare(i, self.workers[i])
         self.events.record(self.component, i, "restarted", generation=self.generation[i])
+        if prepare and self.prepare is not None:
+            self.prepare(i, self.workers[i])
+
+    def dead(self) -> list[int]:
+        """Indices of the workers that do not answer (their process died)."""
+        out = []
+        for i, w in enumerate(self.workers):
+            try:
+                ray.get(w.pid.remote())
+            except ray.exceptions.RayActorError:
+                out.append(i)
+        return out
 
     def run(self, jobs: dict[int, Callable[[Any], Any]], what: str, timeout: float | None = None) -> dict[int, Any]:
         """Submit ``jobs[i](worker_i)`` on every listed worker at once; returns their results by index.
@@ -739,12 +855,17 @@ class RemoteEngine:
     remote call and a replacement worker continues exactly where the dead one would have.
     """
 
-    def __init__(self, session: RaySession, cfg: Any, model_path: Path, dtype: str, seed: int):
+    def __init__(self, session: RaySession, cfg: Any, model_path: Path, dtype: str, seed: int,
+                 broadcast: str | None = None):
         rs = cfg.rl.ray
         self.cfg, self.kind = cfg, cfg.rollout.engine
         self.sync_bytes = cfg.rollout.sync_bytes
         self.weight_version = 0
         self._refs: list[Any] = []  # the shards of weight_version (None of them for the start checkpoint)
+        # broadcast weight sync: the backend (nccl / gloo) or None (object store); the learner last synced from
+        self.broadcast, self.sync_timeout_s = broadcast, rs.sync_timeout_s
+        self._learner: RemoteLearner | None = None
+        self._group_ok = False
         n = rs.rollout_workers
         threads = _threads(rs.rollout_cpus, rs.torch_threads)
         # a vLLM engine seeds each call from its construction seed and call count: the count is its state
@@ -755,9 +876,16 @@ class RemoteEngine:
             return session.start(RolloutActor, "rollout", i, f"keye-rollout-{i}-{gen}", cfg, str(model_path), dtype,
                                  worker_seed(seed, i), threads)
 
+        me = weakref.proxy(self)  # no reference cycle: the engine (and its actors) go when the run drops it
+
         def prepare(i: int, handle: Any) -> None:
-            if self._refs:  # the start checkpoint is what a new worker holds already
-                ray.get(handle.load_weights.remote(self._refs, self.weight_version))
+            if me.broadcast is not None:
+                # a new member: the group is formed again and the current weights broadcast to every worker
+                me._group_ok = False
+                if me._learner is not None:
+                    me._broadcast(me._learner, me.weight_version)
+            elif me._refs:  # the start checkpoint is what a new worker holds already
+                ray.get(handle.load_weights.remote(me._refs, me.weight_version))
 
         self.pool = _WorkerPool(session, "rollout", n, make, rs.max_restarts, prepare)
 
@@ -811,12 +939,61 @@ class RemoteEngine:
         return out
 
     def sync_from(self, learner: RemoteLearner, version: int) -> None:
-        """Serve the learner's current weights as ``version``: its shards go through the object store once and
-        every worker loads them (between calls: never inside a generation)."""
-        refs = learner.export_refs(self.sync_bytes)
-        self.pool.run({k: (lambda w: w.load_weights.remote(refs, version)) for k in range(self.num_workers)},
-                      f"load weights v{version}")
-        self._refs, self.weight_version = refs, int(version)
+        """Serve the learner's current weights as ``version`` (between calls: never inside a generation).
+
+        Object store: the shards are put once and every worker loads them; they are kept until the next sync
+        (a replacement worker loads them). Broadcast: learner rank 0 broadcasts the shards to every worker in
+        their own process group; a replacement worker gets the learner's weights broadcast again (in sync mode
+        they are still ``version``'s)."""
+        t0 = time.time()
+        if self.broadcast is not None:
+            self._broadcast(learner, int(version))
+            self._learner, self.weight_version = learner, int(version)
+        else:
+            refs = learner.export_refs(self.sync_bytes)
+            self.pool.run({k: (lambda w: w.load_weights.remote(refs, version)) for k in range(self.num_workers)},
+                          f"load weights v{version}")
+            self._refs, self.weight_version = refs, int(version)
+        log.info("weights v%d synced to %d rollout worker(s) by %s in %.2f s", version, self.num_workers,
+                 f"{self.broadcast} broadcast" if self.broadcast else "the object store", time.time() - t0)
+
+    def _form_group(self, learner: RemoteLearner) -> None:
+        addr, port = ray.get(learner.actors[0].endpoint.remote())
+        world, backend, timeout = 1 + self.num_workers, self.broadcast, self.sync_timeout_s
+        ray.get([learner.actors[0].open_sync_group.remote(addr, port, world, backend, timeout)]
+                + [w.open_sync_group.remote(addr, port, k + 1, world, backend, timeout)
+                   for k, w in enumerate(self.pool.workers)])
+
+    def _broadcast(self, learner: RemoteLearner, version: int) -> None:
+        """Broadcast the learner's weights to every worker as ``version``; a worker found dead (before, or by a
+        failed broadcast) is replaced, the group formed again and the broadcast repeated."""
+        failures = 0
+        restarted: list[int] = []
+        while True:
+            for i in self.pool.dead():
+                self.pool.events.record("rollout", i, "died", call=f"broadcast v{version}", detail="no answer")
+                self.pool.restart(i, prepare=False)
+                restarted.append(i)
+                self._group_ok = False
+            try:
+                if not self._group_ok:
+                    self._form_group(learner)
+                    self._group_ok = True
+                calls = learner.broadcast_refs(self.sync_bytes) + [w.receive_weights.remote(version)
+                                                                   for w in self.pool.workers]
+                ray.wait(calls, num_returns=len(calls))  # every member is out of the collective
+                ray.get(calls)
+            except ray.exceptions.RayError as err:
+                failures += 1
+                self._group_ok = False
+                log.warning("weight broadcast v%d failed (%s); attempt %d", version, type(err).__name__, failures)
+                if failures > self.pool.max_restarts:
+                    raise RayWorkerError(f"the weight broadcast v{version} failed {failures} times (last: {err}); "
+                                         f"rl.ray.max_restarts={self.pool.max_restarts}") from None
+                continue
+            for i in restarted:
+                self.pool.events.record("rollout", i, "requeued", call=f"broadcast v{version}")
+            return
 
     def pids(self) -> list[int]:
         """The workers' process ids."""
@@ -857,6 +1034,16 @@ class RemoteScorer:
 
 
 # --------------------------------------------------------------------------------------------- build
+def broadcast_backend(weight_sync: str, learner_devices: Sequence[str], rollout_gpus: float) -> str | None:
+    """The weight-broadcast backend for ``rl.ray.weight_sync``: None (object store), ``nccl`` (learner rank 0 and
+    the rollout workers on GPUs) or ``gloo`` (CPU tensors). ``auto`` broadcasts only when every learner and
+    rollout worker has a GPU."""
+    on_gpus = all(d.startswith("cuda") for d in learner_devices) and rollout_gpus > 0
+    if weight_sync == "object_store" or (weight_sync == "auto" and not on_gpus):
+        return None
+    return "nccl" if on_gpus else "gloo"
+
+
 def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any) -> Any:
     """The recipe's components on Ray (see the module doc): :class:`RemoteLearner`, :class:`RemoteEngine`,
     no rollout model in the driver, the driver's evaluation copy (with ``eval.manifest``) and a
@@ -875,7 +1062,8 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any) 
     session = RaySession(rs, events)
     try:
         learner = RemoteLearner(session, cfg, model_path)
-        engine = RemoteEngine(session, cfg, model_path, learner.dtype, _step_seed(cfg.train.seed, 0, 0))
+        engine = RemoteEngine(session, cfg, model_path, learner.dtype, _step_seed(cfg.train.seed, 0, 0),
+                              broadcast=broadcast_backend(rs.weight_sync, learner.devices, session.rollout_gpus))
         scorer = None
         if rs.reward_workers:
             scorer = RemoteScorer(session, RewardScorerFactory(dict(cfg.reward.spec), cfg.reward.pass_value),
@@ -892,7 +1080,8 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any) 
     return Components(learner, engine, None, eval_model, scorer)
 
 
-__all__ = ["EventLog", "LearnerActor", "RaySession", "RayWorkerError", "RemoteEngine", "RemoteLearner",
+__all__ = ["EventLog", "LearnerActor", "broadcast_backend", "broadcast_shards", "open_sync_group",
+           "receive_shards", "RaySession", "RayWorkerError", "RemoteEngine", "RemoteLearner",
            "RemoteModel", "RemoteScorer", "RewardActor", "RewardScorerFactory", "RolloutActor", "assign_groups",
            "build_ray_components", "check_ray_config", "connect", "merge_updates", "plan_updates", "split_even",
            "worker_seed"]

@@ -252,6 +252,11 @@ class RaySection:
     torch_threads: int | None = None  # torch CPU threads per actor (None: its whole CPUs, at least 1)
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # one placement group, all actors
     placement_timeout_s: float = 300.0  # fail with the missing resources when the group cannot be placed
+    # learner -> rollout workers: object_store (shards put once, every worker fetches them), broadcast (a
+    # process group of learner rank 0 and the workers: NCCL on GPUs, gloo on CPUs), auto (broadcast when
+    # the learners and rollout workers all have GPUs)
+    weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"
+    sync_timeout_s: float = 600.0  # broadcast: a collective that does not complete in time fails (and is retried)
 
 
 @dataclass

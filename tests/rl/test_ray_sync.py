@@ -28,7 +28,7 @@ from keye.rl.learner import Learner, UpdateResult
 from keye.rl.rollout import PromptInputs
 from keye.train.config import load_config
 from keye.train.rlep import RLEPConfig, train
-from tests.rl import _ray_faults
+from tests.rl import _ray_helpers
 from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
 from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - fixture used by name
 
@@ -40,7 +40,7 @@ ARGS = ("train.steps=2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "
 # small actors for a 2-CPU cluster; the same torch thread count as this process makes the CPU float reductions
 # (hence every number) identical to the in-process run
 RAY = ("rl.engine=ray", "rl.ray.learner_cpus=0.5", "rl.ray.rollout_cpus=0.5", "rl.ray.reward_cpus=0.25",
-       "rl.ray.reward_workers=1", f"rl.ray.torch_threads={torch.get_num_threads()}")
+       "rl.ray.reward_workers=1", "rl.ray.placement_timeout_s=60", f"rl.ray.torch_threads={torch.get_num_threads()}")
 
 
 def _rows(run: Path) -> list[dict]:
@@ -75,7 +75,7 @@ def _assert_released(ray) -> None:
 def ray_cluster():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(_ray_faults)  # the workers cannot import the tests package
+    ray.cloudpickle.register_pickle_by_value(_ray_helpers)  # the workers cannot import the tests package
     yield ray
     ray.shutdown()
 
@@ -191,6 +191,23 @@ def test_merged_rank_stats_are_the_union_stats():
 
     with pytest.raises(WorkerProtocolError, match="left lockstep"):
         merge_updates([results[0], UpdateResult([], [], 2, 1e-3)])
+
+
+def test_weight_broadcast_wire_format_is_exact(tmp_path):
+    """Shards of several dtypes (float32, bfloat16, int64, bool, a 0-d tensor, an empty shard) arrive bit-exact
+    at every receiver of a gloo broadcast group built outside the default process group."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    from keye.rl.ray_engine import _free_port
+
+    mp.spawn(_ray_helpers.wire_member, args=(_free_port(), str(tmp_path)), nprocs=3)
+    sent = load_file(str(tmp_path / "sent.safetensors"))
+    for rank in (1, 2):
+        got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
+        assert set(got) == set(sent)
+        for k in sent:
+            assert got[k].dtype == sent[k].dtype and got[k].shape == sent[k].shape and torch.equal(got[k], sent[k])
 
 
 def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
@@ -309,21 +326,21 @@ def test_reward_workers_that_die_or_hang_are_replaced(ray_cluster, tmp_path):
     texts = ["alpha", "b", "gamma ray", "delta", "", "epsilon zeta"]
     samples = [RolloutSample(prompt, i, PromptInputs(torch.ones(3, dtype=torch.long)), torch.ones(2, dtype=torch.long),
                              t, True) for i, t in enumerate(texts)]
-    want = [_ray_faults.text_score(t) for t in texts]
+    want = [_ray_helpers.text_score(t) for t in texts]
     events = EventLog(tmp_path / "events.jsonl")
     session = RaySession(RaySection(learners=0, rollout_workers=0, reward_workers=2, reward_cpus=0.25), events)
     try:
         marker = tmp_path / "marker"
-        scorer = RemoteScorer(session, _ray_faults.FlakyScorerFactory(str(marker)), 2, timeout_s=4.0, max_restarts=1)
+        scorer = RemoteScorer(session, _ray_helpers.FlakyScorerFactory(str(marker)), 2, timeout_s=4.0, max_restarts=1)
         assert scorer(samples).rewards == want and not events.counts
 
-        _ray_faults.arm(marker, "die")
+        _ray_helpers.arm(marker, "die")
         got = scorer(samples)
         assert got.rewards == want and got.passed == [r > 0.5 for r in want]
         assert [p["text"] for p in got.parts] == want
         assert events.counts == {"reward/died": 1, "reward/restarted": 1, "reward/requeued": 1}
 
-        _ray_faults.arm(marker, "hang")
+        _ray_helpers.arm(marker, "hang")
         t0 = time.time()
         assert scorer(samples).rewards == want
         assert time.time() - t0 >= 4.0  # waited for the timeout, then re-scored the share elsewhere
@@ -333,9 +350,48 @@ def test_reward_workers_that_die_or_hang_are_replaced(ray_cluster, tmp_path):
         assert [r["event"] for r in rows] == ["died", "restarted", "requeued", "timeout", "restarted", "requeued"]
 
         scorer.pool.max_restarts = 0
-        _ray_faults.arm(marker, "die")
+        _ray_helpers.arm(marker, "die")
         with pytest.raises(RayWorkerError, match="score failed 1 times"):
             scorer(samples)
     finally:
         session.close()
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt, rl_set, tmp_path, caplog):  # noqa: F811
+    """Two rollout workers (prompts split by index, worker k seeded by worker_seed(step seed, k)), weights
+    broadcast over a gloo group of learner rank 0 and the workers: equal to the same run through the object
+    store, also when worker 1 is killed mid-run (replaced, group formed again, weights broadcast again)."""
+    import logging
+
+    base = ("train.steps=2", "rl.ray.rollout_workers=2", "rl.ray.reward_workers=0", *RAY[:3], RAY[-1])
+    store = train(_cfg(tiny_ckpt, rl_set, tmp_path / "store", *base, "rl.ray.weight_sync=object_store"))
+    run = tmp_path / "bcast"
+    killed: dict[str, int] = {}
+
+    def kill_after_first_step() -> None:
+        deadline = time.time() + 600
+        while time.time() < deadline and not killed:
+            f = run / "metrics.jsonl"
+            if f.is_file() and f.read_text().strip():
+                worker = ray_cluster.get_actor("keye-rollout-1-0")
+                killed["pid"] = ray_cluster.get(worker.pid.remote())
+                os.kill(killed["pid"], signal.SIGKILL)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    with caplog.at_level(logging.INFO, logger="keye.rl.ray_engine"):
+        got = train(_cfg(tiny_ckpt, rl_set, run, *base, "rl.ray.weight_sync=broadcast"))
+    killer.join(timeout=5)
+    assert killed, "rollout worker 1 was not killed during the run"
+    synced = [r.getMessage() for r in caplog.records if "synced to 2 rollout worker(s)" in r.getMessage()]
+    assert len(synced) == 2 and all("by gloo broadcast" in m for m in synced), synced
+    events = _events(run)
+    assert [(e["event"], e["worker"]) for e in events] == [("died", 1), ("restarted", 1), ("requeued", 1)], events
+    assert got["losses"] == store["losses"] and got["rewards"] == store["rewards"]
+    assert [r for r in _rows(run) if "loss" in r] == [r for r in _rows(tmp_path / "store") if "loss" in r]
+    a, b = _weights(tmp_path / "store" / "final"), _weights(run / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
     _assert_released(ray_cluster)

@@ -1,4 +1,5 @@
-"""Reward scorers that misbehave once, for the Ray reward-worker fault tests (pickled by value into the actors).
+"""Helpers of tests/rl/test_ray_sync.py, kept light to import: reward scorers that misbehave once (pickled by
+value into Ray actors) and one member of a spawned weight-broadcast group.
 
 A scorer misbehaves on the first call that finds its ``marker`` file (it deletes the file first, so exactly one
 call misbehaves, whichever worker makes it) as the file says: ``die`` ends the worker process, ``hang`` sleeps
@@ -11,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 
 def text_score(text: str) -> float:
@@ -54,3 +57,22 @@ def arm(marker: Path, mode: str) -> Path:
     """Create ``marker``: the next scorer call misbehaves as ``mode`` (``die`` / ``hang``) says."""
     marker.write_text(mode)
     return marker
+
+
+def wire_member(rank: int, port: int, out: str) -> None:
+    """One member of the spawned weight-broadcast test: rank 0 sends, ranks 1 and 2 receive and save."""
+    from safetensors.torch import save_file
+
+    from keye.rl.ray_engine import broadcast_shards, open_sync_group, receive_shards
+
+    torch.manual_seed(0)  # every member builds the same shards; only rank 0's are sent
+    shards = [{"a.weight": torch.randn(3, 4), "a.half": torch.randn(5).to(torch.bfloat16),
+               "a.steps": torch.arange(7), "a.mask": torch.rand(2, 3) > 0.5}, {}, {"b.scalar": torch.tensor(2.5)}]
+    _, group = open_sync_group("127.0.0.1", port, rank, 3, "gloo", 60.0)
+    if rank == 0:
+        assert broadcast_shards(group, iter(shards), torch.device("cpu")) == 5
+        return
+    got = list(receive_shards(group, torch.device("cpu")))
+    assert [sorted(g) for g in got] == [sorted(g) for g in shards]
+    save_file({k: v.contiguous() for g in got for k, v in g.items()}, f"{out}/rank{rank}.safetensors")
+    save_file({k: v.contiguous() for g in shards for k, v in g.items()}, f"{out}/sent.safetensors")
