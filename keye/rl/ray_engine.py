@@ -19,17 +19,19 @@ proxies of actors that live anywhere on a Ray cluster:
 * :class:`RemoteScorer` - ``rl.ray.reward_workers`` :class:`RewardActor` s, each holding a
   :class:`~keye.rl.scoring.RewardScorer`; a share slower than ``rl.ray.reward_timeout_s`` is killed and re-run.
 
-Weight sync (:meth:`RemoteEngine.sync_from`): after each update learner rank 0 streams its exported shards
-into the Ray object store (each shard ``ray.put`` once, by a streaming generator; the other ranks walk the
-same collective export), and every rollout worker loads the shards one by one. Versions: a worker records the
+Weight sync (:meth:`RemoteEngine.sync_from`, ``rl.ray.weight_sync``): after each update learner rank 0 either
+streams its exported shards into the Ray object store (each shard ``ray.put`` once, by a streaming generator)
+and every rollout worker loads them one by one, or broadcasts them to the workers in a process group of their
+own (NCCL on GPUs, gloo on CPUs; :func:`broadcast_shards`); the other learner ranks walk the same collective
+export alongside. Versions: a worker records the
 version it serves, ``generate`` names the version it expects (a mismatch is a protocol error) and each
 sample's ``metadata["weight_version"]`` records it; an actor runs one call at a time, so a load never lands
 inside a generation and no token mixes versions.
 
 Faults: a rollout or reward worker whose process dies (``RayActorError``) - or a reward share that times
 out - is replaced by a new actor from the same factory (same placement bundle); a rollout worker first loads
-the current version's shards (kept in the object store) and the request is re-sent with the same start
-state, so the results equal an uninterrupted run and nothing is counted twice. Every event is logged with
+the current version (the shards kept in the object store, or a new broadcast) and the request is re-sent with
+the same start state, so the results equal an uninterrupted run and nothing is counted twice. Every event is logged with
 running counts and appended to ``<checkpoint.out_dir>/ray_events.jsonl``. The learner group is not
 restarted: a learner failure ends the run, which resumes from its last checkpoint.
 
@@ -118,10 +120,6 @@ def check_ray_config(cfg: Any, world_size: int = 1) -> None:
     if cfg.rollout.engine == "vllm" and rs.rollout_gpus is not None and rs.rollout_gpus <= 0:
         raise KeyeConfigError("rollout.engine=vllm needs a GPU per rollout worker: set rl.ray.rollout_gpus > 0 "
                               "(or null)")
-    if cfg.data.filter_samples > 0 and rs.rollout_workers > 1:
-        # the pre-run filter samples before any reseed: fine, but say which stream it uses
-        log.info("prompt filtering samples on %d rollout workers (worker k seeded by worker_seed(seed, k))",
-                 rs.rollout_workers)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -571,7 +569,8 @@ def connect(section: Any) -> bool:
     if ray.is_initialized():
         return False
     if section.address is None:
-        ray.init(num_cpus=section.num_cpus or os.cpu_count() or 1, include_dashboard=False)
+        # "local": always a new cluster of this process, never one a `ray start` left on this machine
+        ray.init(address="local", num_cpus=section.num_cpus or os.cpu_count() or 1, include_dashboard=False)
     else:
         ray.init(address=section.address)
     return True

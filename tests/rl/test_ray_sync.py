@@ -74,7 +74,7 @@ def _assert_released(ray) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(_ray_helpers)  # the workers cannot import the tests package
     yield ray
     ray.shutdown()
