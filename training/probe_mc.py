@@ -77,13 +77,17 @@ def elimination_baseline(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def question_rows(manifest: Path, open_answer: bool) -> list[dict[str, Any]]:
-    """The colour and shape questions of a synthetic manifest; with ``open_answer`` the option list is
-    dropped and the target is the option's word instead of its letter."""
+    """The colour and shape questions of a synthetic manifest, asked for the option's letter and answered
+    with it (the set itself asks for the option's text); with ``open_answer`` the option list is dropped
+    and the target is the option's word instead."""
     rows = []
     for line in manifest.read_text().splitlines():
         r = json.loads(line)
         if r.get("question_type") not in ("color", "shape"):
             continue
+        prompt = r["messages"][0]["content"][1]["text"].splitlines()
+        r["messages"][0]["content"][1]["text"] = "\n".join(prompt[:-1] + ["Answer with the option's letter."])
+        r["messages"][1]["content"][0]["text"] = r["answer"]
         if open_answer:
             word = r["choices"][LETTERS.index(r["answer"])]
             text = r["messages"][0]["content"][1]["text"].split("\n")[0] + " Answer with one word."

@@ -24,7 +24,9 @@ position       mc      (image-only) whether one object is left or right of anoth
 
 Event times sit on a 0.5 s grid (every fps used is a multiple of 2), so numeric "when" answers are exact
 at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) for lenient scoring.
-Multiple-choice answers are option letters; rows carry ``choices`` (the option texts, in letter order).
+Multiple-choice answers are option letters; rows carry ``choices`` (the option texts, in letter order). The
+question asks for the option's text and the assistant turn (the training target) is that text; scorers
+map it back to the letter (``keye.eval.synth``, the MMMU rule: a letter or the option's text).
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ def _mc(rng: np.random.Generator, correct: str, pool: list[str], k: int = 4) -> 
 
 def _mc_text(question: str, choices: list[str]) -> str:
     lines = [question, "Options:"] + [f"{LETTERS[i]}. {c}" for i, c in enumerate(choices)]
-    return "\n".join(lines) + "\nAnswer with the option's letter."
+    return "\n".join(lines) + "\nAnswer with the option's text."
 
 
 def _grid_time(rng: np.random.Generator, lo: float, hi: float) -> float:
@@ -418,16 +420,39 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
 # ------------------------------------------------------------------------------------------ samples
 
 
+def _heading(obj: Obj) -> str | None:
+    """The direction an object moves in at its appearance (None when it stays put)."""
+    if not (obj.vx or obj.vy):
+        return None
+    if abs(obj.vx) >= abs(obj.vy):
+        return "right" if obj.vx > 0 else "left"
+    return "down" if obj.vy > 0 else "up"
+
+
 def describe(scene: Scene) -> str:
     """A dense caption of the clip: every object once, in order of appearance (then left to right), with
-    its colour when it appears and, in videos, the second it appears: ``"red circle at 0.0, blue square at
-    1.5."`` (images: ``"red circle, blue square."``). It is the perception warm-up target of
-    :func:`caption_rows` and needs no reasoning, only looking."""
+    its colour when it appears and, in videos, the second it appears and what it does: the direction it
+    moves in, when it changes colour and to what, when it bounces off another object and when it is gone
+    (left the frame or vanished). ``"red circle at 0.0 moving right bounces at 2.5, blue square at 1.5
+    turns green at 3.0."`` (images: ``"red circle, blue square."``). It is the perception target of
+    :func:`caption_rows` and needs no reasoning, only looking; every event a question can ask about is in
+    it, so the captions train the perception behind every question type."""
     objs = sorted(scene.objects, key=lambda o: (o.t_appear, o.x))
-    if scene.fps:
-        parts = [f"{o.color} {o.shape} at {o.t_appear:.1f}" for o in objs]
-    else:
-        parts = [f"{o.color} {o.shape}" for o in objs]
+    if not scene.fps:
+        return ", ".join(f"{o.color} {o.shape}" for o in objs) + "."
+    parts = []
+    for o in objs:
+        words = [f"{o.color} {o.shape} at {o.t_appear:.1f}"]
+        heading = _heading(o)
+        if heading:
+            words.append(f"moving {heading}")
+        if o.new_color and o.t_change < scene.duration:
+            words.append(f"turns {o.new_color} at {o.t_change:.1f}")
+        if o.bounce_at < scene.duration:
+            words.append(f"bounces at {o.bounce_at:.1f}")
+        if o.t_vanish < scene.duration:
+            words.append(f"gone at {o.t_vanish:.1f}")
+        parts.append(" ".join(words))
     return ", ".join(parts) + "."
 
 
@@ -447,7 +472,7 @@ def caption_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         media = next(c for c in r["messages"][0]["content"] if c.get("type") in ("image", "video"))
         video = media["type"] == "video"
         prompt = CAPTION_PROMPT.format(kind="video" if video else "image",
-                                       times=" and the second it appears" if video else "")
+                                       times=", the second it appears and what it does" if video else "")
         out.append({
             "id": f"{r['id']}-caption",
             "messages": [
@@ -530,11 +555,16 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
     else:
         write_video(dest, scene)
         media_item = {"type": "video", "video": str(rel)}
+    # Multiple-choice rows are scored by the option letter (``answer``) but trained, and answered, with the
+    # option's text (the MMMU rule accepts either): naming what is seen needs only perception, while a
+    # letter needs an in-context lookup from the perceived word to the letter in front of it, which a
+    # model of keye-tiny's size does not form in a CPU budget (training/probe_mc.py).
+    target = scene.choices[LETTERS.index(scene.answer)] if scene.choices is not None else scene.answer
     row: dict[str, Any] = {
         "id": sid,
         "messages": [
             {"role": "user", "content": [media_item, {"type": "text", "text": scene.question}]},
-            {"role": "assistant", "content": [{"type": "text", "text": scene.answer}]},
+            {"role": "assistant", "content": [{"type": "text", "text": target}]},
         ],
         "answer": scene.answer,
         "answer_kind": scene.answer_kind,

@@ -7,9 +7,11 @@ before inference), ``answer``, ``answer_kind`` (``"mc"``: an option letter; ``"n
 
 Scoring rules (ours; the set has no official scorer):
 
-- ``mc``: the letter is read from the post-processed response with
-  :func:`keye.eval.extract.choice_letter` (letter opening the answer tail, last ``(X)``, a unique standalone
-  letter, or the option text); correct when it equals ``answer``.
+- ``mc``: the MMMU rule, a letter or the option's text. The letter is read from the post-processed
+  response with :func:`keye.eval.extract.choice_letter` (letter opening the answer tail, last ``(X)``, a
+  unique standalone letter, else the option text that occurs last: ``"B"``, ``"B. red"`` and ``"red"`` all
+  pick option B); correct when it equals ``answer``. The set asks for the option's text and keye-tiny
+  answers with it; a response naming no option is wrong (no random fallback).
 - ``numeric``: the answer number (:func:`keye.eval.extract.final_number`: the first number after an answer
   cue, else the last number of the response); correct when ``|pred - answer| <= tolerance`` (``tolerance`` from
   the row, default 0, plus 1e-9 for float round-off).

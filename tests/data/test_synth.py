@@ -13,6 +13,7 @@ from PIL import Image
 from keye.data.manifest import read_manifest
 from keye.data.probe import probe_file
 from keye.data.synth import COLORS, LETTERS, generate_split, make_scene, write_image, write_video
+from keye.eval.extract import choice_letter
 
 
 def _frames(path: Path) -> list[np.ndarray]:
@@ -100,11 +101,16 @@ def test_split_is_deterministic_and_valid(tmp_path: Path, synth_dir: Path):
     for s in man.samples:
         r = s.row
         assert r["answer_kind"] in ("mc", "numeric")
+        target = s.messages[-1]["content"][0]["text"]
         if r["answer_kind"] == "mc":
+            # scored by the letter, trained and answered with the option's text, which the scorer maps back
             assert r["answer"] in LETTERS[: len(r["choices"])]
+            assert target == r["choices"][LETTERS.index(r["answer"])]
+            assert choice_letter(target, r["choices"]) == r["answer"]
+            assert "Answer with the option's text." in s.messages[0]["content"][1]["text"]
         else:
             float(r["answer"])
-        assert s.messages[-1]["content"][0]["text"] == r["answer"]
+            assert target == r["answer"]
         info = probe_file(s.media[0].kind, s.media[0].path)
         assert info.ok and (info.width, info.height) == (r["meta"]["width"], r["meta"]["height"])
         if s.modality == "video":
@@ -123,15 +129,43 @@ def test_caption_lists_what_the_frames_show(tmp_path: Path, k: int):
     caption = describe(sc)
     parts = caption.rstrip(".").split(", ")
     assert len(parts) == len(sc.objects)  # every object once: the count is in the caption
-    times = [float(p.rsplit(" at ", 1)[1]) for p in parts]
+    times = [float(p.split(" ")[3]) for p in parts]  # "<colour> <shape> at <second> [events]"
     assert times == sorted(times)  # in order of appearance
     for p in parts:
-        color, shape, _, t = p.split(" ")
+        color, shape, _, t = p.split(" ")[:4]
         i = int(round(float(t) * sc.fps))
         assert _present(frames[i], color)  # the colour is on screen at the stated second
         assert shape in ("circle", "square", "triangle", "diamond")
     img = make_scene(np.random.default_rng([5, k]), "color", image=True)
     assert " at " not in describe(img) and describe(img).count(",") == len(img.objects) - 1
+
+
+@pytest.mark.parametrize("qtype", ["when_change", "when_leave", "direction"])
+def test_caption_events_match_the_pixels(tmp_path: Path, qtype: str):
+    from keye.data.synth import describe
+
+    for k in range(3):
+        sc, frames = _scene_video(qtype, k, tmp_path)
+        caption = describe(sc)
+        mover = sc.objects[0]  # the object the question is about
+        part = next(p for p in caption.rstrip(".").split(", ") if p.startswith(f"{mover.color} {mover.shape} at"))
+        words = part.split(" ")
+        if qtype == "when_change":
+            new, t = words[words.index("turns") + 1], float(words[words.index("turns") + 3])
+            i = int(round(t * sc.fps))
+            assert _present(frames[i], new) and not _present(frames[i - 1], new), caption
+        elif qtype == "when_leave":
+            t = float(words[words.index("gone") + 2])
+            i = int(round(t * sc.fps))
+            assert _present(frames[i - 1], mover.color) and not any(_present(f, mover.color) for f in frames[i:])
+        else:  # the centre of the object's colour moves the stated way between two visible frames
+            heading = words[words.index("moving") + 1]
+            seen = [i for i, f in enumerate(frames) if _mask(f, mover.color).sum() >= 20]
+            a, b = (np.argwhere(_mask(frames[j], mover.color)).mean(0) for j in (seen[0], seen[-1]))
+            dy, dx = b - a
+            expected = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+            assert heading == expected, (caption, dx, dy)
+        assert caption.count(", ") == len(sc.objects) - 1
 
 
 def test_caption_manifest_pairs_every_row(synth_dir: Path):
@@ -144,7 +178,7 @@ def test_caption_manifest_pairs_every_row(synth_dir: Path):
         assert s.messages[-1]["content"][0]["text"] == r["caption"] == s.row["answer"]
         assert s.row["question_type"] == "caption"
         prompt = s.messages[0]["content"][1]["text"]
-        assert ("second it appears" in prompt) == (s.modality == "video")
+        assert ("second it appears and what it does" in prompt) == (s.modality == "video")
 
 
 def test_warmup_rows_are_large_object_captions(tmp_path: Path):

@@ -46,6 +46,9 @@ def test_question_rows_open_answer(synth_set):
         assert r["question_type"] in ("color", "shape")
         assert o["answer"] == r["choices"]["ABCD".index(r["answer"])]
         assert "Options" not in o["messages"][0]["content"][1]["text"]
+        # the letter probe asks for and trains the letter, whatever the set's own answer format
+        assert r["messages"][1]["content"][0]["text"] == r["answer"] and r["answer"] in "ABCD"
+        assert r["messages"][0]["content"][1]["text"].endswith("Answer with the option's letter.")
 
 
 def test_first_token_accuracy_matches_unpacked_rows(tiny_ckpt, tmp_path):
