@@ -1,30 +1,42 @@
-"""Rebuild the embedded default model ``keye-tiny`` from scratch, offline, on a CPU.
+"""Rebuild the embedded default model ``keye-tiny`` from scratch, offline, on a CPU: one command.
 
-Steps (each skipped when its output already exists, so the script is resumable):
-  1. the synthetic video-QA set      data/synth/{train,test}.jsonl + train_captions.jsonl   (keye.data.synth)
+Steps (each skipped when its output already exists, so the script is resumable; the SFT stages also resume
+from their last checkpoint):
+  1. the synthetic video-QA set      data/synth/{train,test}.jsonl + train_captions.jsonl + warmup.jsonl,
+     and test splits drawn with seeds the build never trains on   data/synth/unseen_seed{101,202}/test.jsonl
   2. a byte-level BPE tokenizer trained on the set's questions, answers and captions, with the Keye
      special tokens
-  3. a randomly initialised Keye-VL-1.5-style model (~3M parameters) + processor files   runs/tiny/init
-  4. SFT stage 0, look: captions of large-object warm-up images (data/synth/warmup.jsonl)
+  3. a randomly initialised Keye-VL-1.5-style model (~2.6M parameters) + processor files   runs/tiny/init
+  4. stage "see": the vision tower and projector pretrained contrastively on rendered stills and their
+     object lists (open_clip's loss; training/pretrain_vision.py)            runs/tiny_see
+  5. SFT stage 0, look: captions of large-object warm-up images (data/synth/warmup.jsonl)
                                                                         runs/tiny_stage0/final
      (training/configs/tiny_synth_stage0.yaml)
      SFT stage 1, perception: the warm-up images and dense captions of the training clips
                                                                         runs/tiny_stage1/final
      (training/configs/tiny_synth_stage1.yaml)
-  5. SFT stage 2, the questions (plus the captions, so perception is kept) runs/tiny/final
+  6. SFT stage 2, the questions (plus the captions, so perception is kept) runs/tiny/final
      (training/configs/tiny_synth.yaml)
-  6. held-out evaluation with ``keye eval synth``, real clips and blank clips  runs/tiny/eval{,_blank}
-  7. copy into the package                                             keye/assets/keye-tiny
+  7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
+     (runs/tiny/eval<k>{,_blank}), the demo's example clips, and the build report
+     runs/tiny/build_report.json (every stage's and the final figures; ``--report-only`` prints its tables,
+     which are the README's)
+  8. with --install, copy into the package                              keye/assets/keye-tiny
 
 Why stages: trained on the questions alone, a from-scratch model settles on the answer priors of the
 text and never discovers the pixels (its accuracy with blank clips equals its accuracy with real ones).
-The captions ask for what is in every frame, token by token, which is a direct and dense signal, and the
-warm-up images with large objects make that signal strong enough to find from a random init (on the
-real clips' small objects alone it is not found in the budget); once the model looks, the questions teach
-it to reason over what it sees. It is Keye's own order (perception and
-captioning before instruction data) in miniature.
+The contrastive stage writes colour and shape into the vision tokens before the decoder reads them; the
+captions ask for what is in every frame and what it does, token by token, which is a direct and dense
+signal, and the warm-up images with large objects make that signal strong enough to find from a random
+init; once the model looks, the questions teach it to answer from what it sees. It is Keye's own order
+(vision pretraining, then perception and captioning, then instruction data) in miniature.
+Multiple-choice questions are answered with the option's text (the set asks for it; the scorer maps it
+to the letter), because a model of this size does not learn the perceived-word -> letter lookup in a CPU
+budget (training/probe_mc.py).
 
-Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--install] [stage2 overrides ...]
+Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 600]
+           [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--install] [stage2 overrides ...]
+       python training/build_tiny.py --report-only
 """
 
 from __future__ import annotations
@@ -34,7 +46,9 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 # which is what lets a from-scratch model start using the pixels.
 MAX_PIXELS = 12544
 VIDEO_DEFAULTS = {"floor_pixels": 3136, "max_pixels": MAX_PIXELS, "fps": 2.0, "max_frames": 16}
+SEE_STEPS = 300  # contrastive vision pretraining (training/pretrain_vision.py)
+UNSEEN_SEEDS = (101, 202)  # test splits drawn with seeds the build never trains on
 
 
 def corpus(*manifests: Path) -> list[str]:
@@ -105,8 +121,93 @@ def build_init(out: Path, *train_manifests: Path, seed: int = 0) -> None:
 
 
 def run(cmd: list[str]) -> None:
+    """Run one stage's command in the repository root; a failing stage stops the build."""
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
+
+
+def sft_stage_figures(out_dir: Path, seconds: float | None) -> dict[str, Any]:
+    """The figures of a finished SFT stage from its run folder: steps, samples, first / final loss, the loss
+    curve (every logged step) and the wall time measured by the build (None when the stage was reused)."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    curve = []
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            if "loss" in row and "step" in row:
+                curve.append([int(row["step"]), round(float(row["loss"]), 4)])
+    return {"steps": summary["steps"], "samples": summary["samples"], "first_loss": summary["first_loss"],
+            "final_loss": summary["final_loss"], "loss_curve": curve, "seconds": seconds}
+
+
+def eval_figures(real_dir: Path, blank_dir: Path) -> dict[str, Any]:
+    """Real / blank / majority accuracy, overall and per question type, from two ``keye eval synth`` runs."""
+    real = json.loads((real_dir / "scores.json").read_text())
+    blank = json.loads((blank_dir / "scores.json").read_text())
+
+    def pct(row: dict[str, Any]) -> float:
+        return round(100.0 * row["accuracy"], 1)
+
+    types = {t: {"n": row["total"], "real": pct(row), "blank": pct(blank["question_type"][t]),
+                 "majority": pct(real["majority"]["question_type"][t])}
+             for t, row in real["question_type"].items()}
+    return {"n": real["overall"]["total"], "real": pct(real["overall"]), "blank": pct(blank["overall"]),
+            "majority": pct(real["majority"]["overall"]), "question_type": types}
+
+
+def demo_figures(model_dir: Path) -> list[dict[str, Any]]:
+    """keye-tiny's greedy answers to the demo's example clips (what a newcomer tries first), scored by the
+    set's own rule."""
+    from keye.demo.examples import load_examples
+    from keye.eval.runner import KeyeEngine
+    from keye.eval.synth import extract, is_correct
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    rows = load_examples()
+    model = KeyeVL.from_pretrained(model_dir, torch_dtype="float32")
+    engine = KeyeEngine(model, KeyeProcessor.from_pretrained(model_dir), batch_size=len(rows), max_new_tokens=12)
+    convs = [[{"role": "user", "content": [{"type": "video", "video": r["video"]},
+                                           {"type": "text", "text": r["question"]}]}] for r in rows]
+    out = []
+    for r, answer in zip(rows, engine.generate(convs)):
+        options = [line[3:] for line in r["question"].splitlines() if line[:1].isupper() and line[1:3] == ". "]
+        item = {"answer_kind": "mc", "choices": options, "answer": r["answer"]}
+        out.append({"question_type": r["question_type"], "answer": r["answer"], "response": answer.strip(),
+                    "correct": is_correct(extract(answer, item), item)})
+    return out
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """The README tables of a build report (``runs/tiny/build_report.json``): the stages with their loss
+    curves and wall times, then real / blank / majority accuracy per question type for every test set."""
+    lines = ["| stage | steps | samples | loss: first -> final | loss every ~10 % of the stage | minutes |",
+             "|---|---|---|---|---|---|"]
+    see = report.get("see")
+    if see:
+        curve = ", ".join(f"{p['loss']:.2f}" for p in see["curve"] if p["loss"] is not None)
+        last = see["curve"][-1]
+        lines.append(f"| see (contrastive, {see['batch_size']} images a step) | {see['steps']} | "
+                     f"{see['steps'] * see['batch_size']:,} | {curve} | held-out {see.get('eval_images', 256)}-way retrieval "
+                     f"image->caption {100 * last['image_to_caption']:.1f} % | {see['seconds'] / 60:.1f} |")
+    for name, st in report["stages"].items():
+        curve = st["loss_curve"]
+        picks = [curve[round(i * (len(curve) - 1) / 10)][1] for i in range(11)] if len(curve) > 1 else []
+        minutes = "-" if st["seconds"] is None else f"{st['seconds'] / 60:.1f}"
+        lines.append(f"| {name} | {st['steps']} | {st['samples']:,} | {st['first_loss']:.2f} -> "
+                     f"{st['final_loss']:.3f} | {' '.join(f'{x:.2f}' for x in picks)} | {minutes} |")
+    for name, ev in report["evals"].items():
+        lines += ["", f"**{name}** ({ev['n']} questions): real **{ev['real']:.1f} %**, blank clips "
+                      f"{ev['blank']:.1f} %, majority answer {ev['majority']:.1f} %", "",
+                  "| question type | n | real % | blank % | majority % |", "|---|---|---|---|---|"]
+        for t, row in ev["question_type"].items():
+            lines.append(f"| {t} | {row['n']} | {row['real']:.1f} | {row['blank']:.1f} | {row['majority']:.1f} |")
+    if report.get("demo"):
+        lines += ["", "| demo example | answer | keye-tiny says | correct |", "|---|---|---|---|"]
+        for d in report["demo"]:
+            lines.append(f"| {d['question_type']} | {d['answer']} | {d['response']} | {'yes' if d['correct'] else 'no'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -114,9 +215,22 @@ def main() -> int:
     ap.add_argument("--train", type=int, default=10000)
     ap.add_argument("--test", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=3000, help="large-object caption images for stage 1")
+    ap.add_argument("--see-steps", type=int, default=SEE_STEPS, help="contrastive vision steps (0: skip)")
+    ap.add_argument("--unseen-seeds", type=int, nargs="*", default=list(UNSEEN_SEEDS),
+                    help="extra test splits drawn with seeds the build never trains on")
+    ap.add_argument("--unseen-test", type=int, default=300, help="questions per unseen-seed test split")
+    ap.add_argument("--eval-build-test", action="store_true",
+                    help="also evaluate on the build's own (seed 0) test split, not only the unseen seeds")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
+    ap.add_argument("--report-only", action="store_true", help="print the tables of runs/tiny/build_report.json")
     ap.add_argument("overrides", nargs="*", help="extra stage-2 SFT overrides (key=value)")
     args = ap.parse_args()
+    report_path = REPO / "runs/tiny/build_report.json"
+    if args.report_only:
+        print(report_markdown(json.loads(report_path.read_text())), end="")
+        return 0
+    if 0 in args.unseen_seeds:
+        ap.error("--unseen-seeds: 0 is the build's own seed")
     synth = REPO / "data/synth"
     if not (synth / "test.jsonl").is_file():
         from keye.data.synth import generate
@@ -126,6 +240,14 @@ def main() -> int:
         from keye.data.synth import generate_split
 
         generate_split(synth, "warmup", args.warmup, seed=0)
+    tests = {"seed 0 test split (the build's held-out questions)": synth / "test.jsonl"} if args.eval_build_test else {}
+    for seed in args.unseen_seeds:
+        path = synth / f"unseen_seed{seed}/test.jsonl"
+        if not path.is_file():
+            from keye.data.synth import generate_split
+
+            generate_split(path.parent, "test", args.unseen_test, seed=seed)
+        tests[f"unseen seed {seed}"] = path
     stage1 = synth / "stage1.jsonl"
     if not stage1.is_file():  # stage 1 data: large-object warm-up images and the clips' captions
         stage1.write_text((synth / "warmup.jsonl").read_text() + (synth / "train_captions.jsonl").read_text())
@@ -135,14 +257,45 @@ def main() -> int:
     init = REPO / "runs/tiny/init"
     if not (init / "model.safetensors").is_file():
         build_init(init, synth / "train.jsonl", synth / "train_captions.jsonl")
-    for stage in ("stage0", "stage1"):
-        if not (REPO / f"runs/tiny_{stage}/final/model.safetensors").is_file():
-            run([sys.executable, "-m", "keye", "train", "sft", "--config", f"training/configs/tiny_synth_{stage}.yaml"])
-    run([sys.executable, "-m", "keye", "train", "sft", "--config", "training/configs/tiny_synth.yaml", *args.overrides])
-    for name, extra in (("eval", []), ("eval_blank", ["--blank"])):
-        run([sys.executable, "-m", "keye", "eval", "synth", "--model", "runs/tiny/final", "--data",
-             str(synth / "test.jsonl"), "--out", f"runs/tiny/{name}", "--max-new-tokens", "8", "--batch-size", "16",
-             *extra])
+    report: dict[str, Any] = {"stages": {}, "evals": {}}
+    see_dir = REPO / "runs/tiny_see"
+    if args.see_steps > 0:
+        if not (see_dir / "metrics.json").is_file():
+            sys.path.insert(0, str(REPO / "training"))
+            from pretrain_vision import pretrain_vision
+
+            pretrain_vision(init, see_dir, steps=args.see_steps)
+        report["see"] = json.loads((see_dir / "metrics.json").read_text())
+    stage0_overrides = [] if args.see_steps > 0 else ["model.path=runs/tiny/init"]
+    stages = [("0, look", "stage0", "runs/tiny_stage0", stage0_overrides),
+              ("1, perception", "stage1", "runs/tiny_stage1", []),
+              ("2, questions", "", "runs/tiny", list(args.overrides))]
+    for name, stage, out_dir, overrides in stages:
+        seconds = None
+        if not (REPO / out_dir / "final/model.safetensors").is_file():
+            t0 = time.time()
+            config = f"training/configs/tiny_synth{'_' + stage if stage else ''}.yaml"
+            run([sys.executable, "-m", "keye", "train", "sft", "--config", config, *overrides])
+            seconds = round(time.time() - t0, 1)
+        report["stages"][name] = sft_stage_figures(REPO / out_dir, seconds)
+        st = report["stages"][name]
+        print(f"stage {name}: {st['steps']} steps, {st['samples']} samples, loss {st['first_loss']:.3f} -> "
+              f"{st['final_loss']:.3f}", flush=True)
+    for k, (name, path) in enumerate(tests.items()):
+        dirs = []
+        for suffix, extra in (("", []), ("_blank", ["--blank"])):
+            out = REPO / f"runs/tiny/eval{k}{suffix}"
+            dirs.append(out)
+            if not (out / "scores.json").is_file():
+                run([sys.executable, "-m", "keye", "eval", "synth", "--model", "runs/tiny/final", "--data", str(path),
+                     "--out", str(out), "--max-new-tokens", "12", "--batch-size", "16", *extra])
+        report["evals"][name] = ev = eval_figures(*dirs)
+        print(f"{name}: real {ev['real']:.1f} %, blank {ev['blank']:.1f} %, majority {ev['majority']:.1f} %",
+              flush=True)
+    report["demo"] = demo_figures(REPO / "runs/tiny/final")
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    print(report_markdown(report), end="", flush=True)
+    print(f"report -> {report_path}")
     if args.install:
         dest = REPO / "keye/assets/keye-tiny"
         shutil.rmtree(dest, ignore_errors=True)
