@@ -1,6 +1,8 @@
 """The embedded default model ``keye-tiny``: a few-million-parameter Keye-VL-1.5-style model trained
-by the SFT recipe (three stages, ``training/configs/tiny_synth_stage0.yaml``, ``tiny_synth_stage1.yaml``,
-``tiny_synth.yaml``) on the synthetic video-QA set that ships with the repo.
+on the synthetic video-QA set that ships with the repo: its vision tower pretrained contrastively
+(``training/pretrain_vision.py``), then the SFT recipe in three stages
+(``training/configs/tiny_synth_stage0.yaml``, ``tiny_synth_stage1.yaml``, ``tiny_synth.yaml``). It answers
+multiple-choice questions with the option's text and other questions with a number.
 
 It lives inside the package (``keye/assets/keye-tiny``) so the demo, ``keye chat``, evaluation and the
 training recipes run offline on a laptop CPU. ``python training/build_tiny.py --install`` is the exact
