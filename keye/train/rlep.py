@@ -522,8 +522,13 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
     ``stop_after`` stops after that many RL steps *of this invocation* without the final save (simulates a
     crash in resume tests). The summary holds per-step ``losses`` (mean over the step's optimizer updates),
-    ``rewards`` (mean fresh reward), ``pass_rates`` and the ``eval_curve``.
+    ``rewards`` (mean fresh reward), ``pass_rates`` and the ``eval_curve``. With ``rl.engine=ray
+    rl.mode=async`` the asynchronous loop runs instead (:func:`keye.rl.async_loop.train_async`).
     """
+    if cfg.rl.engine == "ray" and cfg.rl.mode == "async":
+        from keye.rl.async_loop import train_async
+
+        return train_async(cfg, stop_after=stop_after)
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
 

@@ -1,0 +1,198 @@
+"""Asynchronous RL on a local Ray cluster (keye.rl.async_loop): the staleness bound holds on every trained answer's
+recorded versions, answers continue across weight updates, a rollout worker killed by its pid loses nothing, and a
+driver killed with SIGKILL resumes from its checkpoint and trains the same number of answers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from keye.rl import ReplayEntry, ReplayPool  # noqa: E402
+from keye.train.config import load_config  # noqa: E402
+from keye.train.rlep import RLEPConfig, train  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+B, G, K = 2, 2, 1  # prompts per update, answers per prompt, max staleness
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> dict[str, Path]:
+    """A tiny 1.5 checkpoint, the 4 cheapest synthetic training questions as an RL manifest and a replay pool
+    with one reference answer per question (as tests/train/test_rlep.py builds them)."""
+    from keye.data.synth import generate
+    from keye.testing.model import save_tiny_checkpoint
+    from keye.testing.processor import make_tiny_processor_dir
+
+    root = tmp_path_factory.mktemp("async_fx")
+    ckpt = root / "ckpt"
+    make_tiny_processor_dir(ckpt, variant="1.5")
+    save_tiny_checkpoint(ckpt, "1.5", seed=0)
+    synth = generate(root / "synth", train=40, test=8, seed=0, workers=1, progress=False)
+    rows = [json.loads(x) for x in synth["train"].read_text().splitlines()]
+    small = sorted(rows, key=lambda r: r["meta"]["num_frames"] * r["meta"]["width"] * r["meta"]["height"])[:4]
+    manifest = synth["train"].parent / "rl_train.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in small))
+    pool = ReplayPool()
+    for r in small:
+        pool.add(ReplayEntry(r["id"], r["answer"], None, 1.0, {"source": "reference"}))
+    return {"ckpt": ckpt, "train": manifest, "pool": pool.save_jsonl(root / "pool.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for the module (2 CPUs); its GCS address lets a subprocess driver join it."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def _overrides(fx, out, *extra) -> list[str]:
+    # random tiny weights rarely sample an EOS: answers run to max_new_tokens, long enough to be in flight
+    # (and cross a weight update) while the learner trains
+    return [f"model.path={fx['ckpt']}", f"data.manifest={fx['train']}", f"data.prompts_per_step={B}", f"rollout.G={G}",
+            "rollout.max_new_tokens=160", f"replay.pool={fx['pool']}", "replay.M=1", "train.lr=1e-3",
+            "algorithm.micro_batch_size=4", f"checkpoint.out_dir={out}", "log.progress=false", "train.device=cpu",
+            "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={K}", "train.steps=4", "rl.ray.torch_threads=1",
+            *extra]
+
+
+def _check_log(out: Path, steps: int, k: int) -> list[dict]:
+    """Every trained answer of ``trajectories.jsonl``, checked: the expected number, each answer and each
+    (group, slot) trained once, whole groups of G, B groups per update, per-token versions never ahead of the
+    update and never more than ``k`` behind it."""
+    lines = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == steps * B * G
+    assert len({x["id"] for x in lines}) == len(lines)
+    assert len({(x["group"], x["sample"]) for x in lines}) == len(lines)
+    per_group: dict[int, list[int]] = {}
+    for x in lines:
+        per_group.setdefault(x["group"], []).append(x["sample"])
+    assert all(sorted(v) == list(range(G)) for v in per_group.values())
+    assert [sum(x["step"] == s for x in lines) for s in range(1, steps + 1)] == [B * G] * steps
+    for x in lines:
+        spans = x["spans"]
+        assert x["version"] == x["step"] - 1
+        assert spans[0][1] == 0 and spans[-1][2] == x["tokens"] and x["tokens"] > 0
+        assert all(a[2] == b[1] and a[0] < b[0] for a, b in zip(spans, spans[1:]))  # contiguous, versions rise
+        assert spans[-1][0] <= x["version"], "a token from a version the learner had not made yet"
+        assert x["version"] - spans[0][0] <= k, f"answer {x['id']} is {x['version'] - spans[0][0]} versions stale"
+        assert x["start_version"] == spans[0][0]
+    return lines
+
+
+def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_updates(fx, cluster, tmp_path):
+    from keye.rl.async_loop import train_async
+    from keye.rl.stream_worker import AnswerLengths
+
+    # every answer exactly 200 tokens (EOS masked before): the next batch is still being generated when the
+    # learner's update ends, whatever the model samples
+    summary = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "a", "rollout.max_new_tokens=200")),
+                          answer_length=AnswerLengths(mu=math.log(200), sigma=0.0, max_tokens=200))
+    assert summary["mode"] == "async" and summary["finished"] and summary["steps"] == 4
+    lines = _check_log(tmp_path / "a", 4, K)
+    assert summary["trained_trajectories"] == len(lines) == summary["trajectory_events"]["consumed"]
+    hist: dict[int, int] = {}
+    for x in lines:
+        hist[x["version"] - x["start_version"]] = hist.get(x["version"] - x["start_version"], 0) + 1
+    assert summary["staleness"] == hist and max(hist) == K  # the overlap is used
+    multi = [x for x in lines if len(x["spans"]) > 1]
+    assert multi and summary["partial"] == len(multi), "no answer continued across a weight update"
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(rows) == 4 and all("tis_weight_mean" in r and r["staleness/max"] <= K for r in rows)
+    assert (tmp_path / "a" / "final" / "model.safetensors").is_file()
+
+    # max_staleness 0 is on-policy: every trained token was sampled by the weights being updated (and through
+    # `keye train rlep`'s entry point: rl.engine=ray rl.mode=async dispatches to the async loop)
+    on = train(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "b", "rl.max_staleness=0", "train.steps=2")))
+    lines = _check_log(tmp_path / "b", 2, 0)
+    assert all(x["spans"] == [[x["version"], 0, x["tokens"]]] for x in lines)
+    assert on["staleness"] == {0: 2 * B * G} and on["partial"] == 0
+
+
+def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path):
+    from keye.rl.async_loop import train_async
+
+    killed: dict[str, int] = {}
+
+    def kill_when_busy(run) -> None:
+        """SIGKILL the worker as soon as it holds an answer that already has tokens (mid-generation)."""
+        pid = run.rollout.workers[0].pid()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:  # the driver thread mutates the manager meanwhile: read, and retry on a torn read
+                busy = any(run.trajectories.get(i).num_tokens > 0 for i in run.trajectories.in_flight())
+            except (RuntimeError, KeyError):
+                busy = False
+            if busy:
+                os.kill(pid, signal.SIGKILL)
+                killed["pid"] = pid
+                return
+            time.sleep(0.002)
+
+    def on_step(step, run):
+        if step == 1:
+            threading.Thread(target=kill_when_busy, args=(run,), daemon=True).start()
+
+    out = tmp_path / "kill"
+    summary = train_async(load_config(RLEPConfig, None, _overrides(fx, out, "train.steps=5")), on_step=on_step)
+    assert killed, "the worker never held a partly generated answer"
+    assert summary["finished"] and summary["trained_trajectories"] == 5 * B * G
+    ev, tev = summary["rollout_events"], summary["trajectory_events"]
+    assert ev["worker_deaths"] == 1 and ev["restarts"] == 1 and ev["requeued"] >= 1
+    assert tev["requeued"] == ev["requeued"] and tev["groups_failed"] == 0 and tev["partial_resumed"] >= 1
+    assert json.loads((out / "rollout_workers.json").read_text())["pids"]["0"] != killed["pid"]
+    lines = _check_log(out, 5, K)
+    assert any(x["retries"] >= 1 for x in lines)  # a requeued answer was finished elsewhere and trained once
+
+
+_DRIVER = """
+import json, sys
+from keye.rl.async_loop import train_async
+from keye.train.config import load_config
+from keye.train.rlep import RLEPConfig
+train_async(load_config(RLEPConfig, None, json.loads(sys.argv[1])))
+"""
+
+
+def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answers(fx, cluster, tmp_path):
+    from keye.rl.async_loop import train_async
+
+    out = tmp_path / "crash"
+    args = _overrides(fx, out, "checkpoint.save_every=1", "checkpoint.keep_last=3")
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(args + [f"rl.ray.address={cluster}"])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = out / "step_00000001" / "DONE"
+    deadline = time.time() + 180
+    while not first.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.is_file(), f"the driver wrote no checkpoint: {proc.stderr.read()[-3000:] if proc.poll() else ''}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    ckpts = sorted(p for p in out.glob("step_*") if (p / "DONE").is_file())
+    assert ckpts[-1].name != "step_00000004", "the driver finished before it was killed"
+    saved = torch.load(ckpts[-1] / "loader_rank0.pt", weights_only=False)["trajectories"]
+    waiting = {t["id"] for t in saved["trajectories"]}
+    assert waiting, "the checkpoint holds no answer in flight or waiting for its group"
+
+    summary = train_async(load_config(RLEPConfig, None, args))  # the rerun joins this process's cluster
+    assert summary["finished"] and summary["steps"] == 4
+    assert summary["trained_trajectories"] == 4 * B * G  # the same as an uninterrupted run
+    lines = _check_log(out, 4, K)  # rows of the lost updates were cut back: every answer trained once
+    done = int(ckpts[-1].name.split("_")[1])
+    assert waiting <= {x["id"] for x in lines if x["step"] > done}  # the checkpoint's queue and pool went on
