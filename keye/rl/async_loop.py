@@ -397,7 +397,10 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
             kept: list[tuple[ReadyGroup, list[RolloutSample]]] = []
             examined: set[int] = set()
             ds_dropped = 0
-            while len(kept) < B:
+            # dynamic sampling examines at most max_rounds batches' worth of groups per update, then trains
+            # what it kept (as the synchronous loop does after algorithm.max_rounds rounds)
+            cap = a.max_rounds * B if a.dynamic_sampling else None
+            while not _batch_done(kept, examined, B, cap):
                 admitted = admit()
                 before = tm.counts()["chunks"] + tm.counts()["finished"]
                 finished = rm.step()
@@ -406,6 +409,8 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
                 timing["score"] += time.time() - t
                 t = time.time()
                 for group in tm.ready_groups(version, k):
+                    if _batch_done(kept, examined, B, cap):
+                        break
                     if group.id in examined:
                         continue
                     examined.add(group.id)
@@ -427,8 +432,6 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
                         ds_dropped += 1
                         continue
                     kept.append((group, samples))
-                    if len(kept) == B:
-                        break
                 timing["replay"] += time.time() - t
                 if not finished and not admitted and tm.counts()["chunks"] + tm.counts()["finished"] == before:
                     time.sleep(IDLE_SLEEP_S)
@@ -461,7 +464,7 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
 
             # staleness of every trained answer, from its recorded per-token versions
             stale = Counter(version - min(tr.versions) for tr in consumed)
-            if max(stale) > k:
+            if stale and max(stale) > k:
                 raise RuntimeError(f"internal error: an answer {max(stale)} versions old was trained with "
                                    f"rl.max_staleness={k}")
             partial = sum(len(set(tr.versions)) > 1 for tr in consumed)
@@ -488,8 +491,9 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
             row["updates_skipped"] = float(res.skipped)
             row["lr"] = res.lr
             row["dynsample/dropped"] = float(ds_dropped)
-            row["staleness/max"] = float(max(stale))
-            row["staleness/mean"] = sum(s * n for s, n in stale.items()) / len(consumed)
+            row["staleness/max"] = float(max(stale, default=0))
+            row["staleness/mean"] = sum(s * n for s, n in stale.items()) / max(len(consumed), 1)
+            row["groups_trained"] = float(len(kept))
             for s_, n in sorted(stale.items()):
                 row[f"staleness/{s_}"] = float(n)
             row["partial_rollouts"] = float(partial)
@@ -575,6 +579,12 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
     if cfg.log.progress:
         print(format_summary(summary, out_dir))
     return summary
+
+
+def _batch_done(kept: Sequence[Any], examined: set[int], target: int, cap: int | None) -> bool:
+    """Whether an update's batch is complete: ``target`` groups kept, or (dynamic sampling) ``cap`` groups
+    examined."""
+    return len(kept) >= target or (cap is not None and len(examined) >= cap)
 
 
 def _process(processor: Any, messages: list[dict[str, Any]], mode: str | None) -> Any:

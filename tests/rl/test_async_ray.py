@@ -196,3 +196,27 @@ def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answer
     lines = _check_log(out, 4, K)  # rows of the lost updates were cut back: every answer trained once
     done = int(ckpts[-1].name.split("_")[1])
     assert waiting <= {x["id"] for x in lines if x["step"] > done}  # the checkpoint's queue and pool went on
+
+
+def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, cluster, tmp_path):
+    from keye.rl.async_loop import train_async
+
+    # no replay: a random model fails every question, so every group is uninformative by accuracy; each update
+    # examines max_rounds * B groups (the admission makes room for a new group per dropped one), trains none,
+    # and the run still finishes instead of waiting for groups that can never come
+    out = tmp_path / "ds"
+    summary = train_async(load_config(RLEPConfig, None, _overrides(
+        fx, out, "rollout.max_new_tokens=8", "replay.enabled=false", "algorithm.dynamic_sampling=true",
+        "algorithm.max_rounds=2", "train.steps=2")))
+    assert summary["finished"] and summary["steps"] == 2
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    trained = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()] \
+        if (out / "trajectories.jsonl").is_file() else []
+    assert len(trained) == summary["trained_trajectories"] == G * sum(r["groups_trained"] for r in rows)
+    for r in rows:
+        # every examined group is kept (informative: a lucky pass) or dropped; an update stops at 2 * B examined
+        assert r["groups_trained"] == B or r["groups_trained"] + r["dynsample/dropped"] == 2 * B
+    assert sum(r["dynsample/dropped"] for r in rows) >= 1
+    ev = summary["trajectory_events"]
+    # the dropped groups were forgotten, not trained; and admission kept going past the first B groups
+    assert ev["groups_consumed"] == sum(r["dynsample/dropped"] + r["groups_trained"] for r in rows) > B
