@@ -1,5 +1,16 @@
 """RL throughput of asynchronous (SeamlessFlow-style) vs synchronous rollouts.
 
+Part (a), measured on this machine: :func:`keye.rl.async_loop.train_async` on keye-tiny with a local Ray cluster
+(the rollout worker, a :class:`keye.rl.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
+learner in the driver with one torch thread), synchronous (``rl.max_staleness=0``: only the batch of the current
+weights is generated, so nothing is generated while the learner trains) vs asynchronous (``rl.max_staleness``
+``--staleness``: the next batch is generated during the update and unfinished answers continue under the new
+weights). Both run the same code, prompts, seeds and answer lengths; the lengths are long-tailed:
+:class:`keye.rl.stream_worker.AnswerLengths` (``--a-mu``, ``--a-sigma``, capped at ``--a-max-tokens``) forces
+each answer's length (EOS masked until then). Throughput is trained answers per second over the updates after
+``--a-warmup`` (worker start-up and first batches excluded), the median of ``--a-repeats`` runs of each mode,
+run alternately.
+
 Part (b), the simulated cluster: first measures keye-tiny's costs on this machine (one decode step of
 ``model.generate`` at batch 1 and 16, prefill per prompt token, forward + backward per training token and
 one AdamW step, copying the weights into a second model as the weight sync), then feeds them to the
@@ -14,18 +25,23 @@ twenty-fold between runs, with one it varied by about a quarter.
 
 A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, and a what-if where a decode step
 costs the same for any number of answers (memory-bound decoding, as a large model on a GPU; the step is
-priced at the measured full-batch cost), which is not measured here. The last line gives the simulated
-ratio for the measured costs.
+priced at the measured full-batch cost), which is not measured here. The last line gives both ratios:
+``rl throughput async vs sync: measured X.XXx, simulated 64 GPUs Y.YYx``.
 
 Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
+       [--a-steps 8] [--a-repeats 3] [--no-measured]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import statistics
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -107,6 +123,54 @@ def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, t
             "train_token_s": train_token_s, "train_step_s": train_step_s, "sync_s": sync_s}
 
 
+def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, prompts: int = 4, group: int = 4,
+                          mu: float = 3.5, sigma: float = 1.0, max_tokens: int = 160, staleness: int = 1,
+                          manifest: str = "data/synth/train.jsonl", limit: int = 64, seed: int = 0,
+                          log=print) -> dict[str, list[float]]:
+    """Samples/s of ``train_async`` on keye-tiny, synchronous (``max_staleness=0``) and asynchronous
+    (``staleness``), ``repeats`` runs each, alternating; returns ``{"sync": [...], "async": [...]}``.
+
+    Each run: ``steps`` updates of ``prompts`` x ``group`` answers whose lengths are forced by
+    :class:`keye.rl.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
+    run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs when the
+    machine has them); the driver runs with one torch thread, the rollout actor with one."""
+    import ray
+
+    from keye.rl.async_loop import train_async
+    from keye.rl.stream_worker import AnswerLengths
+    from keye.train.config import load_config
+    from keye.train.rlep import RLEPConfig
+
+    if warmup < 1 or steps <= warmup:
+        raise SystemExit(f"need 1 <= warmup < steps, got warmup={warmup}, steps={steps}")
+    lengths = AnswerLengths(mu, sigma, max_tokens, seed)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out: dict[str, list[float]] = {"sync": [], "async": []}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(repeats):
+                for mode, k in (("sync", 0), ("async", staleness)):
+                    cfg = load_config(RLEPConfig, None, [
+                        "model.path=keye-tiny", f"data.manifest={manifest}", f"data.limit={limit}",
+                        f"data.prompts_per_step={prompts}", f"rollout.G={group}", f"rollout.max_new_tokens={max_tokens}",
+                        "rollout.max_batch_size=64", "replay.enabled=false", "algorithm.micro_batch_size=16",
+                        "train.lr=1e-5", f"train.steps={steps}", f"train.seed={seed}", "train.device=cpu",
+                        f"checkpoint.out_dir={Path(tmp) / f'{mode}{rep}'}", "checkpoint.export=false",
+                        "log.progress=false", "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={k}",
+                        "rl.ray.torch_threads=1",
+                    ])
+                    summary = train_async(cfg, answer_length=lengths)
+                    ends = summary["step_end_times"]
+                    rate = prompts * group * (steps - warmup) / (ends[-1] - ends[warmup - 1])
+                    out[mode].append(rate)
+                    hist = json.dumps(summary["staleness"])
+                    log(f"  run {rep + 1} {mode:5s}: {rate:6.2f} samples/s (staleness histogram {hist}, "
+                        f"{summary['partial']} answers continued across an update)")
+    finally:
+        ray.shutdown()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=64)
@@ -121,6 +185,15 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sweep", action="store_true", help="skip the sigma / staleness sweep")
+    parser.add_argument("--no-measured", action="store_true", help="skip part (a), the measured keye-tiny runs")
+    parser.add_argument("--a-steps", type=int, default=8, help="(a) updates per run")
+    parser.add_argument("--a-warmup", type=int, default=3, help="(a) first updates not timed")
+    parser.add_argument("--a-repeats", type=int, default=3, help="(a) runs per mode (median)")
+    parser.add_argument("--a-prompts", type=int, default=4, help="(a) prompts per update")
+    parser.add_argument("--a-group", type=int, default=4, help="(a) answers per prompt")
+    parser.add_argument("--a-mu", type=float, default=3.5, help="(a) lognormal mu of the forced answer lengths")
+    parser.add_argument("--a-sigma", type=float, default=1.0, help="(a) lognormal sigma of the answer lengths")
+    parser.add_argument("--a-max-tokens", type=int, default=160, help="(a) answer length cap")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -162,7 +235,20 @@ def main() -> None:
                     s, a = compare(replace(base, length_sigma=sigma), k)
                     row.append(f"staleness {k}: {a.samples_per_s / s.samples_per_s:.2f}x")
                 print(f"  {name}, sigma {sigma}: " + ", ".join(row))
-    print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x")
+    if args.no_measured:
+        print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x")
+        return
+    print(f"measured on this machine: keye-tiny, {args.a_prompts} prompts x {args.a_group} answers per update, "
+          f"forced lengths lognormal(mu={args.a_mu}, sigma={args.a_sigma}) capped at {args.a_max_tokens}; rollout "
+          f"worker in a Ray actor, learner in the driver (one torch thread each); {args.a_steps} updates per run, "
+          f"first {args.a_warmup} not timed; sync = staleness 0, async = staleness {args.staleness}")
+    runs = measure_async_vs_sync(steps=args.a_steps, warmup=args.a_warmup, repeats=args.a_repeats,
+                                 prompts=args.a_prompts, group=args.a_group, mu=args.a_mu, sigma=args.a_sigma,
+                                 max_tokens=args.a_max_tokens, staleness=args.staleness, seed=args.seed)
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    print(f"  median of {args.a_repeats}: sync {med['sync']:.2f} samples/s, async {med['async']:.2f} samples/s")
+    print(f"rl throughput async vs sync: measured {med['async'] / med['sync']:.2f}x, simulated {args.gpus} GPUs "
+          f"{ratio:.2f}x")
 
 
 if __name__ == "__main__":
