@@ -29,6 +29,7 @@ model's forward (:class:`keye.rl.logprobs.LogprobRequest`), where the sharded ``
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,7 +465,11 @@ class Learner:
                 grad_norms.append(self._step(no_vision=not st.pop("_vision")))
                 stats_list.append(st)
         lr = self.scheduler.get_last_lr()[0]  # before the scheduler moves on to the next step's rate
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # An update whose mini-batches were all skipped still advances the schedule (the rate follows
+            # updates, not optimizer steps); torch warns about that order, which here is intended.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.scheduler.step()
         return UpdateResult(stats_list, grad_norms, skipped, lr)
 
     def accumulate(self, chosen: Sequence[RolloutSample], *, pad_id: int, use_tree: bool,

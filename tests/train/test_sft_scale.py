@@ -69,7 +69,8 @@ def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     turn a rounding-level change of a near-zero gradient into a visible change of that one element, so an
     element-wise tolerance alone cannot hold for every element. The check is therefore two-fold: each
     tensor's update agrees to 1e-3 of its norm (a skipped or doubled update is off by ~1), and all but
-    1 % of the elements are equal to 1e-5 relative.
+    1 % of the elements (at least one element may differ: a 48-element bias at 1 % would allow none) are
+    equal to 1e-5 relative.
     """
     assert set(got) == set(want)
     moved = [k for k in want if not torch.equal(want[k], base[k])]
@@ -77,9 +78,9 @@ def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     bad = {}
     for k in moved:
         update_err = float((got[k] - want[k]).norm() / (want[k] - base[k]).norm())
-        off = float((~torch.isclose(got[k], want[k], rtol=1e-5, atol=1e-6)).float().mean())
-        if update_err > 1e-3 or off > 1e-2:
-            bad[k] = (update_err, off)
+        n_off = int((~torch.isclose(got[k], want[k], rtol=1e-5, atol=1e-6)).sum())
+        if update_err > 1e-3 or n_off > max(1, 0.01 * want[k].numel()):
+            bad[k] = (update_err, n_off / want[k].numel())
     assert not bad, f"{len(bad)} tensors differ (update error, fraction off): {sorted(bad.items())[:5]}"
 
 
