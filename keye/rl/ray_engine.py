@@ -93,8 +93,6 @@ def check_ray_config(cfg: Any, world_size: int = 1) -> None:
     if world_size != 1:
         raise KeyeConfigError(f"rl.engine=ray runs from one driver process (got a world of {world_size}): start it "
                               "with plain `keye train rlep`, not torchrun; rl.ray.learners sets the learner ranks")
-    if rl.mode == "async":
-        raise KeyeConfigError("rl.mode=async is not available yet; use rl.mode=sync")
     if rl.max_staleness < 0:
         raise KeyeConfigError(f"rl.max_staleness must be >= 0, got {rl.max_staleness}")
     for key in ("learners", "rollout_workers"):

@@ -100,7 +100,8 @@ def test_config_checks_name_the_key():
         return str(err.value)
 
     check_ray_config(load_config(RLEPConfig, None, ["rl.engine=ray"]))
-    assert "rl.mode=async is not available yet" in bad("rl.mode=async")
+    check_ray_config(load_config(RLEPConfig, None, ["rl.engine=ray", "rl.mode=async"]))
+    assert "rl.max_staleness must be >= 0" in bad("rl.max_staleness=-1")
     assert "not torchrun" in bad(world=2)
     assert "rl.ray.learners must be >= 1" in bad("rl.ray.learners=0")
     assert "rl.ray.reward_workers must be >= 0" in bad("rl.ray.reward_workers=-1")
