@@ -4,7 +4,7 @@
 
     keye data check MANIFEST [--root DIR] [--processor DIR] [--json]
     keye data synth --out data/synth --train 20000 --test 1000 --seed 0 [--workers N] [--image-fraction 0.1]
-                    [--warmup N]
+                    [--warmup N] [--modes]
     keye data clip-filter MANIFEST --out KEPT.jsonl --checkpoint CLIP.pt --model ViT-B-32 --threshold 0.3
 """
 
@@ -41,6 +41,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--image-fraction", type=float, default=0.1, help="share of image-only samples")
     p.add_argument("--warmup", type=int, default=0,
                    help="also write N large-object caption images (warmup.jsonl, keye-tiny's perception stage)")
+    p.add_argument("--modes", action="store_true",
+                   help="add thinking-mode targets (think / no_think / auto) and write <split>_modes.jsonl")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -91,6 +93,7 @@ def _synth(args: argparse.Namespace) -> int:
         image_fraction=args.image_fraction,
         progress=not args.no_progress,
         warmup=args.warmup,
+        modes=args.modes,
     )
     dt = time.perf_counter() - t0
     n = args.train + args.test

@@ -27,6 +27,27 @@ at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) fo
 Multiple-choice answers are option letters; rows carry ``choices`` (the option texts, in letter order). The
 question asks for the option's text and the assistant turn (the training target) is that text; scorers
 map it back to the letter (``keye.eval.synth``, the MMMU rule: a letter or the option's text).
+
+Thinking modes (``modes=True``, ``keye data synth --modes``; off by default, so the default set is unchanged):
+each row also gets ``modes``, the assistant target of every Keye thinking mode, written from the scene
+itself so every step is exactly right (:func:`mode_targets`), and ``auto_mode``, the mode the auto
+label chooses; :func:`mode_rows` expands rows into one SFT row per mode (``<split>_modes.jsonl``):
+
+============ ================== ===============================================================
+mode         user prompt ends   assistant target
+============ ================== ===============================================================
+think        ``/think``         ``<think>TRACE</think>ANSWER``
+no_think     ``/no_think``      ``ANSWER``
+auto         (no switch)        ``<analysis>/think</analysis><think>TRACE</think>ANSWER`` for the
+                                types in :data:`THINK_TYPES`, else ``<analysis>/no_think</analysis>ANSWER``
+============ ================== ===============================================================
+
+TRACE is the clip's dense caption (:func:`describe`: each object with the second it appears, what it
+does and when it is gone), followed for the stepwise types by the step that reads the answer off it:
+``count`` the total, ``order`` the first of the candidates, ``when_*`` the asked event and its second.
+The stepwise types (:data:`THINK_TYPES`) are those whose answer is a count, a comparison or a time read
+off that timeline; the others (colour, shape, position, direction, detail, color_change) are one look,
+and their auto label answers directly.
 """
 
 from __future__ import annotations
@@ -77,6 +98,10 @@ VIDEO_TYPES: dict[str, float] = {
 }
 IMAGE_TYPES: dict[str, float] = {"color": 1.0, "shape": 1.0, "count": 1.0, "position": 1.0}
 SPLIT_CODES = {"train": 0, "test": 1, "warmup": 2}
+# Question types whose answer is read off a timeline or a list (a count, a comparison of appearance times,
+# the second of an event): the auto label thinks on these and answers the rest directly.
+THINK_TYPES = frozenset({"count", "order", "when_appear", "when_change", "when_collide", "when_leave"})
+THINKING_MODES = ("think", "no_think", "auto")
 
 
 @dataclass
@@ -487,6 +512,73 @@ def caption_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _conclusion(scene: Scene, target: str) -> str | None:
+    """The step that reads a stepwise question's answer off the caption (None for one-look types)."""
+    q = scene.question_type
+    if q == "count":
+        return f"total {len(scene.objects)}"
+    if q == "order":
+        return f"first {target}"
+    ev = next((e for e in scene.events if e["event"] == {"when_appear": "appear", "when_change": "change",
+                                                         "when_collide": "collide", "when_leave": "leave"}.get(q)),
+              None)
+    if ev is None:
+        return None
+    if ev["event"] == "collide":  # both objects were just named in the caption
+        return f"touch at {ev['t']:.1f}"
+    verb = {"appear": "appears", "change": "turns", "leave": "gone"}[ev["event"]]
+    return f"{ev['object']} {verb} at {ev['t']:.1f}"
+
+
+def reasoning_trace(scene: Scene, target: str) -> str:
+    """The think-mode trace of a scene's question: the dense caption (:func:`describe`, every object with
+    the second it appears, what it does and when it is gone) and, for :data:`THINK_TYPES`, the step that
+    reads the answer off it (``"; total 3"``, ``"; first the red circle"``, ``"; blue square turns at
+    2.5"``, ``"; touch at 1.5"``). ``target`` is the assistant answer (the option text for multiple choice). Everything is
+    written from the scene description, so a count in the trace equals the answer and every time in it is
+    an event time of the scene."""
+    caption = describe(scene).rstrip(".")
+    step = _conclusion(scene, target) if scene.question_type in THINK_TYPES else None
+    return caption if step is None else f"{caption}; {step}"
+
+
+def mode_targets(scene: Scene, target: str) -> dict[str, str]:
+    """The assistant target of each thinking mode for a scene's question whose direct answer is
+    ``target`` (see the module's modes table): ``{"think", "no_think", "auto"}``. The auto target opens
+    with ``<analysis>/think</analysis>`` and thinks for :data:`THINK_TYPES`, else opens with
+    ``<analysis>/no_think</analysis>`` and answers directly (the analysis names the chosen switch, which
+    :mod:`keye.rewards.format` checks against the mode used)."""
+    think = f"<think>{reasoning_trace(scene, target)}</think>{target}"
+    auto = (f"<analysis>/think</analysis>{think}" if scene.question_type in THINK_TYPES
+            else f"<analysis>/no_think</analysis>{target}")
+    return {"think": think, "no_think": target, "auto": auto}
+
+
+def mode_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Expand rows that carry ``modes`` (made with ``modes=True``) into one SFT row per thinking mode:
+    id ``<id>-<mode>``, the user prompt with the mode's switch (:func:`keye.processing.chat.apply_mode`:
+    ``/think``, ``/no_think``, none for auto), the mode's target as the assistant turn, and ``mode`` set.
+    Answer, answer kind, choices, tolerance and question type are kept, so the rows also evaluate.
+
+    Raises:
+        KeyeConfigError: a row without ``modes`` (naming its id).
+    """
+    from keye.processing.chat import apply_mode
+
+    out = []
+    for r in rows:
+        if "modes" not in r:
+            raise KeyeConfigError(f"row {r.get('id')!r} has no 'modes' (generate the set with modes=True)")
+        for mode in THINKING_MODES:
+            user = apply_mode([r["messages"][0]], mode)[0]
+            row = {k: v for k, v in r.items() if k not in ("messages", "modes", "caption")}
+            row["id"] = f"{r['id']}-{mode}"
+            row["messages"] = [user, {"role": "assistant", "content": [{"type": "text", "text": r["modes"][mode]}]}]
+            row["mode"] = mode
+            out.append(row)
+    return out
+
+
 def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """The generator that fully determines sample ``index`` of ``split``."""
     return np.random.default_rng([int(seed), SPLIT_CODES[split], int(index)])
@@ -536,10 +628,12 @@ def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fr
     }
 
 
-def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float) -> dict[str, Any]:
+def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
+                modes: bool = False) -> dict[str, Any]:
     """Render sample ``index`` of ``split`` into ``out_dir/media/<split>/`` and return its manifest row.
 
-    The row's media path is relative to ``out_dir`` (the manifest root).
+    The row's media path is relative to ``out_dir`` (the manifest root). With ``modes`` the row also has
+    ``modes`` (:func:`mode_targets`) and ``auto_mode`` ("think" / "no_think"); the rest is identical.
     """
     rng = sample_rng(seed, split, index)
     image = bool(rng.random() < image_fraction)
@@ -584,11 +678,16 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
         "num_frames": scene.num_frames,
         "events": scene.events,
     }
+    if modes:
+        row["modes"] = mode_targets(scene, target)
+        row["auto_mode"] = "think" if scene.question_type in THINK_TYPES else "no_think"
     return row
 
 
-def _make_star(args: tuple[str, str, int, int, float]) -> dict[str, Any]:
-    return (make_warmup_sample if args[1] == "warmup" else make_sample)(*args)
+def _make_star(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
+    if args[1] == "warmup":
+        return make_warmup_sample(*args[:5])
+    return make_sample(*args)
 
 
 def generate_split(
@@ -601,6 +700,7 @@ def generate_split(
     image_fraction: float = 0.1,
     progress: bool = True,
     chunksize: int = 8,
+    modes: bool = False,
 ) -> Path:
     """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``, plus
     ``out_dir/<split>_captions.jsonl`` (:func:`caption_rows`: one dense-caption row per sample, same media).
@@ -610,6 +710,9 @@ def generate_split(
         workers: process-pool size (default: all CPUs); 0 renders in this process.
         image_fraction: share of image-only samples (0..1).
         progress: show a tqdm bar.
+        modes: also give each row its thinking-mode targets (``modes``, ``auto_mode``) and write
+            ``out_dir/<split>_modes.jsonl`` (:func:`mode_rows`: three SFT rows per sample). Ignored for
+            ``"warmup"``.
 
     Returns:
         The manifest path. Rows are in index order whatever the worker count.
@@ -625,7 +728,8 @@ def generate_split(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(str(out), split, i, seed, image_fraction) for i in range(n)]
+    modes = modes and split != "warmup"
+    jobs = [(str(out), split, i, seed, image_fraction, modes) for i in range(n)]
     workers = (os.cpu_count() or 1) if workers is None else workers
     bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
     if workers <= 0 or n <= 1:
@@ -639,6 +743,8 @@ def generate_split(
     write_manifest(path, rows)
     if split != "warmup":  # warm-up rows are captions already
         write_manifest(out / f"{split}_captions.jsonl", caption_rows(rows))
+    if modes:
+        write_manifest(out / f"{split}_modes.jsonl", mode_rows(rows))
     return path
 
 
@@ -652,13 +758,16 @@ def generate(
     image_fraction: float = 0.1,
     progress: bool = True,
     warmup: int = 0,
+    modes: bool = False,
 ) -> dict[str, Path]:
     """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
-    ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`)."""
+    ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`; ``modes`` adds the
+    thinking-mode targets and ``<split>_modes.jsonl``)."""
     splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
     return {
         split: generate_split(
-            out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress
+            out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress,
+            modes=modes,
         )
         for split, n in splits
     }
