@@ -51,7 +51,9 @@ class KeyeEngine:
         mode: ``"think"``, ``"no_think"``, ``"auto"`` or None, handed to the processor, which appends Keye's
             ``/think`` / ``/no_think`` switch.
 
-    Keyword arguments of :meth:`generate` override these settings for one call.
+    Keyword arguments of :meth:`generate` override these settings for one call. After each call,
+    ``last_token_stats`` holds one ``{"reply_tokens", "think_tokens"}`` per answer (see :meth:`generate`),
+    which :func:`run_inference` stores in the prediction records.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class KeyeEngine:
             "top_k": top_k,
         }
         self.mode = mode
+        self.last_token_stats: list[dict[str, int | None]] = []
 
     def _device(self) -> Any:
         try:
@@ -89,8 +92,16 @@ class KeyeEngine:
             return None
 
     def generate(self, conversations: list[Conversation], **gen_kwargs: Any) -> list[str]:
-        """Answer ``conversations`` in chunks of ``batch_size``; returns the decoded new tokens per item."""
+        """Answer ``conversations`` in chunks of ``batch_size``; returns the decoded new tokens per item.
+
+        Also sets ``last_token_stats``: per answer ``reply_tokens``, the tokens generated up to and including
+        the first EOS (the padding of rows that finished early is not counted; a reply cut by the budget
+        counts ``max_new_tokens``), and ``think_tokens``, the reply's think block tokenised with the
+        processor's tokenizer (0 without a block; None when the processor has no ``tokenizer``).
+        """
         import torch
+
+        from keye.eval.modes import reply_stats
 
         settings = {**self.settings, **gen_kwargs}
         kwargs = {"max_new_tokens": int(settings["max_new_tokens"]), "do_sample": bool(settings["do_sample"])}
@@ -99,7 +110,10 @@ class KeyeEngine:
                 {k: settings[k] for k in ("temperature", "top_p", "top_k") if settings[k] is not None}
             )
         device = self._device()
+        eos = set(getattr(getattr(self.model, "config", None), "eos_token_ids", None) or [])
+        tokenizer = getattr(self.processor, "tokenizer", None)
         answers: list[str] = []
+        stats: list[dict[str, int | None]] = []
         for start in range(0, len(conversations), self.batch_size):
             chunk = conversations[start : start + self.batch_size]
             batch = self.processor(chunk, return_tensors="pt", mode=self.mode)
@@ -110,7 +124,13 @@ class KeyeEngine:
             with torch.inference_mode():
                 ids = self.model.generate(**batch, **kwargs)
             new_tokens = ids[:, batch["input_ids"].shape[1] :]
-            answers.extend(self.processor.batch_decode(new_tokens, skip_special_tokens=True))
+            decoded = self.processor.batch_decode(new_tokens, skip_special_tokens=True)
+            answers.extend(decoded)
+            for row, text in zip(new_tokens.tolist(), decoded):
+                n = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
+                s = reply_stats(text, reply_tokens=n, tokenizer=tokenizer)
+                stats.append({"reply_tokens": n, "think_tokens": s["think_tokens"]})
+        self.last_token_stats = stats
         return answers
 
 
@@ -305,6 +325,10 @@ def run_inference(
         gen_kwargs: extra keyword arguments for ``engine.generate``.
         postprocess: raw output -> response the scorers see (Keye's post-processing by default).
 
+    When the engine exposes ``last_token_stats`` (one dict per answer of its last ``generate`` call, as
+    :class:`KeyeEngine` does), each record also gets those fields (``reply_tokens``, ``think_tokens``), which
+    the per-mode breakdown (:mod:`keye.eval.modes`) reads.
+
     Returns:
         On rank 0 (or a single process): the records of all ``items`` present in ``out_path``, in item order.
         On other ranks: the records this rank wrote.
@@ -348,6 +372,10 @@ def run_inference(
             if len(outputs) != len(chunk):
                 raise KeyeInputError(f"engine returned {len(outputs)} answers for {len(chunk)} conversations")
             records = [to_record(item, str(out), postprocess(str(out))) for item, out in zip(chunk, outputs)]
+            token_stats = getattr(engine, "last_token_stats", None)
+            if isinstance(token_stats, list) and len(token_stats) == len(records):
+                for rec, extra in zip(records, token_stats):
+                    rec.update(extra)
             store.append(records)
             mine.extend(records)
             bar.update(len(chunk))
