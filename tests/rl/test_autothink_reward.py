@@ -1,0 +1,254 @@
+"""AutoThink mode-selection reward on constructed groups (keye/rl/autothink.py): easy, hard and mixed questions,
+the margin, correctness dominance, format penalty, degenerate groups, and the loop helpers on constructed samples.
+Every expected reward is worked out by hand from the formula in docs/autothink.md."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from keye.errors import KeyeConfigError, KeyeInputError
+from keye.rl.autothink import (
+    AutoThinkConfig,
+    Reply,
+    finish_metrics,
+    flatten,
+    group_id,
+    group_signal,
+    link_groups,
+    metric_sums,
+    mode_selection_rewards,
+    question_records,
+    replies_of,
+)
+from keye.rl.rollout import PromptInputs, RLPrompt, RolloutSample
+
+# auto replies: well-formed direct / think, and malformed ones
+DIRECT = "<analysis>Simple lookup. /no_think</analysis>7"
+THINK = "<analysis>Needs counting. /think</analysis><think>one two three</think>7"
+NO_ANALYSIS = "7"
+THINK_NO_ANALYSIS = "<think>one two three</think>7"
+INCONSISTENT = "<analysis>I will reason. /think</analysis>7"  # says /think, answers directly
+FORCED_THINK = "<think>one two three</think>7"
+FORCED_DIRECT = "7"
+
+# budget 4 tokens, full penalty 20 tokens over the budget: penalty = 0.5 * min(1, (tokens - 4) / 20)
+CFG = AutoThinkConfig(enabled=True, margin=0.05, mode_bonus=0.5, length_penalty=0.5, length_budget=4,
+                      length_scale=20, format_penalty=0.5, include_auto=False)
+
+
+def forced(text: str, passes: int, fails: int, tokens: int = 5) -> list[Reply]:
+    return [Reply(text, tokens, True, 1.0) for _ in range(passes)] + [Reply(text, tokens, False, 0.0)
+                                                                      for _ in range(fails)]
+
+
+def auto(text: str, passed: bool, tokens: int = 6, base: float | None = None, **kw) -> Reply:
+    return Reply(text, tokens, passed, (1.0 if passed else 0.0) if base is None else base, **kw)
+
+
+def rewards(res) -> list[float]:
+    return [a.reward for a in res.auto]
+
+
+# ----------------------------------------------------------------------------------------- easy / hard
+def test_easy_question_prefers_direct_and_penalises_long_thinking():
+    replies = [auto(DIRECT, True, 3), auto(THINK, True, 10), auto(THINK, True, 14), auto(THINK, True, 30),
+               auto(DIRECT, False, 3)]
+    res = mode_selection_rewards(replies, forced(FORCED_THINK, 4, 0), forced(FORCED_DIRECT, 4, 0), CFG)
+    assert (res.p_think, res.p_direct, res.n_think, res.n_direct, res.prefer) == (1.0, 1.0, 4, 4, "direct")
+    # direct correct: 1 + 0.5 bonus; thinking: 1 - 0.5*(10-4)/20 = 0.85, 1 - 0.5*10/20 = 0.75, 1 - 0.5 (capped);
+    # a wrong direct reply gets neither bonus nor penalty
+    assert rewards(res) == pytest.approx([1.5, 0.85, 0.75, 0.5, 0.0])
+    assert [a.decision for a in res.auto] == ["direct", "think", "think", "think", "direct"]
+    assert [a.length_penalty for a in res.auto] == pytest.approx([0.0, 0.15, 0.25, 0.5, 0.0])
+    assert all(a.well_formed for a in res.auto)
+    # the direct reply beats every thinking reply, and longer thinking is worth strictly less
+    assert rewards(res)[0] > max(rewards(res)[1:4]) and rewards(res)[1] > rewards(res)[2] > rewards(res)[3]
+
+
+def test_thinking_within_the_budget_costs_nothing_beyond_losing_the_bonus():
+    res = mode_selection_rewards([auto(THINK, True, 4), auto(THINK, True, 2)], forced(FORCED_THINK, 2, 0),
+                                 forced(FORCED_DIRECT, 2, 0), CFG)
+    assert rewards(res) == [1.0, 1.0]
+
+
+def test_hard_question_prefers_thinking():
+    replies = [auto(THINK, True, 30), auto(THINK, False, 30), auto(DIRECT, False, 3), auto(DIRECT, True, 3)]
+    res = mode_selection_rewards(replies, forced(FORCED_THINK, 3, 1), forced(FORCED_DIRECT, 0, 4), CFG)
+    assert (res.p_think, res.p_direct, res.prefer) == (0.75, 0.0, "think")
+    # thinking correct: 1 + 0.5, no length penalty on a hard question; wrong thinking: 0; wrong direct: 0;
+    # a lucky direct answer keeps its accuracy but gets no bonus
+    assert rewards(res) == pytest.approx([1.5, 0.0, 0.0, 1.0])
+
+
+def test_base_reward_is_kept_and_shifted():
+    """The mode terms are added to the ordinary reward (here a spec with format + accuracy: 2.0 / 1.0)."""
+    res = mode_selection_rewards([auto(DIRECT, True, 3, base=2.0), auto(THINK, True, 24, base=2.0),
+                                  auto(DIRECT, False, 3, base=1.0)],
+                                 forced(FORCED_THINK, 1, 0), forced(FORCED_DIRECT, 1, 0), CFG)
+    assert rewards(res) == pytest.approx([2.5, 2.0 - 0.5 * 20 / 20, 1.0])
+
+
+# ------------------------------------------------------------------------------------------------ margin
+@pytest.mark.parametrize("think_pass, direct_pass, margin, prefer", [
+    (15, 14, 0.05, "direct"),  # p_direct 0.70 == p_think 0.75 - 0.05: exactly at the margin -> direct
+    (15, 13, 0.05, "think"),   # 0.65 < 0.70: just outside
+    (15, 15, 0.05, "direct"),  # equal
+    (15, 14, 0.0, "think"),    # no margin: direct must be at least as good
+    (15, 16, 0.0, "direct"),   # direct better
+    (10, 0, 0.5, "direct"),    # 0.0 >= 0.5 - 0.5
+    (11, 0, 0.5, "think"),     # 0.0 < 0.55 - 0.5
+])
+def test_preferred_mode_flips_exactly_at_the_margin(think_pass, direct_pass, margin, prefer):
+    cfg = AutoThinkConfig(**{**vars(CFG), "margin": margin})
+    res = mode_selection_rewards([auto(DIRECT, True, 3), auto(THINK, True, 12)],
+                                 forced(FORCED_THINK, think_pass, 20 - think_pass),
+                                 forced(FORCED_DIRECT, direct_pass, 20 - direct_pass), cfg)
+    assert res.p_think == think_pass / 20 and res.p_direct == direct_pass / 20
+    assert res.prefer == prefer
+    # the bonus follows the preference; thinking 12 tokens on an easy question costs 0.5 * 8 / 20 = 0.2
+    expected = [1.5, 0.8] if prefer == "direct" else [1.0, 1.5]
+    assert rewards(res) == pytest.approx(expected)
+
+
+def test_auto_replies_join_the_estimates_by_the_mode_they_chose():
+    cfg = AutoThinkConfig(**{**vars(CFG), "include_auto": True})
+    replies = [auto(DIRECT, False, 3), auto(DIRECT, False, 3), auto(THINK, True, 9), auto(THINK_NO_ANALYSIS, True, 9),
+               auto(DIRECT, True, 3, valid=False), auto(DIRECT, True, 3, fresh=False)]
+    res = mode_selection_rewards(replies, forced(FORCED_THINK, 1, 1), forced(FORCED_DIRECT, 2, 0), cfg)
+    # think: forced 1/2 + auto thinking 2/2 (the malformed one thought too) = 3/4; direct: forced 2/2 + fresh
+    # valid auto direct 0/2 = 2/4 (the invalid row and the replayed one do not count)
+    assert (res.p_think, res.n_think, res.p_direct, res.n_direct) == (0.75, 4, 0.5, 4)
+    assert res.prefer == "think"  # 0.5 < 0.75 - 0.05
+    # wrong direct: 0, 0; correct thinking: 1.5; correct thinking without analysis: 1 - 0.5 (format), no bonus;
+    # invalid: 0; the replayed correct direct reply is rewarded like a fresh one: 1, no bonus (think preferred)
+    assert rewards(res) == pytest.approx([0.0, 0.0, 1.5, 0.5, 0.0, 1.0])
+    assert res.auto[4].decision is None
+
+
+# ----------------------------------------------------------------------------------- dominance / format
+def test_a_correct_reply_always_beats_a_wrong_one_of_the_same_format():
+    texts = {"direct": DIRECT, "think": THINK}
+    for tp, dp, margin in itertools.product(range(5), range(5), (0.0, 0.05, 0.3)):
+        cfg = AutoThinkConfig(**{**vars(CFG), "margin": margin, "length_penalty": 0.9})
+        replies = [auto(texts[d], ok, n) for d, ok, n in itertools.product(texts, (True, False), (1, 8, 40, 400))]
+        res = mode_selection_rewards(replies, forced(FORCED_THINK, tp, 4 - tp), forced(FORCED_DIRECT, dp, 4 - dp), cfg)
+        right = [a.reward for a, r in zip(res.auto, replies) if r.passed]
+        wrong = [a.reward for a, r in zip(res.auto, replies) if not r.passed]
+        assert min(right) > max(wrong), (tp, dp, margin)
+
+
+def test_malformed_auto_replies_get_the_format_penalty_and_no_bonus():
+    replies = [auto(NO_ANALYSIS, True, 2), auto(THINK_NO_ANALYSIS, True, 24), auto(INCONSISTENT, True, 4),
+               auto("<analysis></analysis>7", True, 3), auto(NO_ANALYSIS, False, 2)]
+    res = mode_selection_rewards(replies, forced(FORCED_THINK, 4, 0), forced(FORCED_DIRECT, 4, 0), CFG)
+    assert res.prefer == "direct" and not any(a.well_formed for a in res.auto)
+    # correct direct without analysis: 1 - 0.5; thinking without analysis 24 tokens: 1 - 0.5 (length) - 0.5;
+    # analysis says /think but answers directly: 1 - 0.5; empty analysis block: 1 - 0.5; wrong: 0 - 0.5
+    assert rewards(res) == pytest.approx([0.5, 0.0, 0.5, 0.5, -0.5])
+    assert [a.format_penalty for a in res.auto] == [0.5] * 5 and [a.bonus for a in res.auto] == [0.0] * 5
+    # the same correct reply well formed gets 1.5: the penalty + the lost bonus separate them
+    ok = mode_selection_rewards([auto(DIRECT, True, 2)], forced(FORCED_THINK, 4, 0), forced(FORCED_DIRECT, 4, 0), CFG)
+    assert rewards(ok) == [1.5]
+
+
+# ------------------------------------------------------------------------------------------- degenerate
+def test_no_forced_replies_means_no_preference():
+    replies = [auto(DIRECT, True, 3), auto(THINK, True, 30), auto(NO_ANALYSIS, True, 1)]
+    res = mode_selection_rewards(replies, [], [], CFG)
+    assert (res.p_think, res.p_direct, res.prefer) == (None, None, None)
+    assert rewards(res) == pytest.approx([1.0, 1.0, 0.5])  # only the format penalty applies
+    # forced groups made only of invalid (missing replay) rows count as empty
+    invalid = [Reply("", 0, False, 0.0, valid=False)] * 3
+    assert mode_selection_rewards(replies, invalid, invalid, CFG).prefer is None
+    # one estimate only: still no preference
+    assert mode_selection_rewards(replies, forced(FORCED_THINK, 2, 0), [], CFG).prefer is None
+
+
+def test_estimates_from_auto_replies_alone():
+    cfg = AutoThinkConfig(**{**vars(CFG), "include_auto": True, "think_samples": 0, "direct_samples": 0})
+    replies = [auto(DIRECT, True, 3), auto(DIRECT, True, 3), auto(THINK, True, 14), auto(THINK, False, 14)]
+    res = mode_selection_rewards(replies, [], [], cfg)
+    assert (res.p_direct, res.p_think, res.prefer) == (1.0, 0.5, "direct")
+    assert rewards(res) == pytest.approx([1.5, 1.5, 1.0 - 0.25, 0.0 - 0.25])
+    only_direct = mode_selection_rewards(replies[:2], [], [], cfg)
+    assert only_direct.p_think is None and only_direct.prefer is None and rewards(only_direct) == [1.0, 1.0]
+
+
+def test_all_invalid_or_empty_auto_groups():
+    res = mode_selection_rewards([Reply("", 0, False, 0.0, valid=False)] * 2, forced(FORCED_THINK, 1, 0),
+                                 forced(FORCED_DIRECT, 1, 0), CFG)
+    assert rewards(res) == [0.0, 0.0] and [a.decision for a in res.auto] == [None, None]
+    assert mode_selection_rewards([], forced(FORCED_THINK, 1, 0), forced(FORCED_DIRECT, 0, 1), CFG).auto == []
+
+
+@pytest.mark.parametrize("field, value", [("margin", -0.1), ("margin", 1.5), ("mode_bonus", -1.0),
+                                          ("length_penalty", float("nan")), ("think_samples", -1),
+                                          ("length_scale", 0), ("format_penalty", -0.5)])
+def test_bad_config_values_are_named(field, value):
+    cfg = AutoThinkConfig(**{**vars(CFG), field: value})
+    with pytest.raises(KeyeConfigError, match=f"algorithm.autothink.{field}"):
+        cfg.check()
+
+
+def test_config_needs_some_estimate_and_a_length_scale():
+    with pytest.raises(KeyeConfigError, match="include_auto=false"):
+        AutoThinkConfig(think_samples=0, include_auto=False).check()
+    AutoThinkConfig(think_samples=0, direct_samples=0, include_auto=True).check()
+    with pytest.raises(KeyeConfigError, match="length_scale"):
+        mode_selection_rewards([], [], [], AutoThinkConfig())
+    assert mode_selection_rewards([], [], [], AutoThinkConfig(), length_scale=16).prefer is None
+
+
+# ---------------------------------------------------------------------------------- loop helpers
+def _sample(q: int, role: str, text: str, passed: bool, reward: float, source: str = "rollout",
+            valid: bool = True) -> RolloutSample:
+    ids = torch.arange(len(text) if valid else 0)
+    return RolloutSample(prompt=RLPrompt(f"q{q}", [{"role": "user", "content": "?"}]), group=group_id(q, role),
+                         inputs=PromptInputs(torch.tensor([1, 2])), response_ids=ids, text=text, finished=True,
+                         source=source, valid=valid, reward=reward, passed=passed,
+                         metadata={} if source == "replay" else {"autothink_role": role})
+
+
+def test_link_groups_flatten_signal_and_metrics():
+    samples = [  # question 0 easy (both modes pass), question 1: direct fails
+        _sample(0, "auto", DIRECT, True, 1.0), _sample(0, "auto", THINK, True, 1.0),
+        _sample(0, "auto", DIRECT, True, 1.0, source="replay"), _sample(0, "auto", "", False, 0.0, "replay", False),
+        _sample(0, "think", FORCED_THINK, True, 1.0), _sample(0, "think", FORCED_THINK, True, 1.0),
+        _sample(0, "direct", FORCED_DIRECT, True, 1.0), _sample(0, "direct", FORCED_DIRECT, True, 1.0),
+        _sample(1, "auto", THINK, True, 1.0), _sample(1, "auto", THINK, True, 1.0),
+        _sample(1, "think", FORCED_THINK, True, 1.0), _sample(1, "think", FORCED_THINK, True, 1.0),
+        _sample(1, "direct", FORCED_DIRECT, False, 0.0), _sample(1, "direct", FORCED_DIRECT, False, 0.0),
+    ]
+    linked = link_groups(samples, 2, CFG, length_scale=20)
+    assert [len(x) for x in linked] == [8, 6] and all(s.prompt.id == "q0" for s in linked[0])
+    r0 = [s.reward for s in linked[0]]
+    # THINK is 55 characters -> 55 "tokens" here: full length penalty 0.5; the replayed direct reply gets the bonus
+    assert r0 == pytest.approx([1.5, 0.5, 1.5, 0.0, 1.0, 1.0, 1.0, 1.0])
+    assert linked[0][1].metadata["autothink_base_reward"] == 1.0
+    assert [s.reward for s in linked[1]] == pytest.approx([1.5, 1.5, 1.0, 1.0, 0.0, 0.0])
+    assert linked[1][0].metadata["autothink_question"]["prefer"] == "think"
+    # question 1: auto replies all 1.5, forced think all passed, forced direct all failed: no group has a
+    # signal, so dynamic sampling is shown the (equal) auto rewards and drops the question
+    assert group_signal(linked[1], "accuracy", train_forced=True) == [1.5, 1.5]
+    assert group_signal(linked[0], "accuracy", train_forced=True) == [1.5, 0.5, 1.5]
+    flat, n = flatten(linked, train_forced=True)
+    assert n == 6 and [s.group for s in flat] == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    flat, n = flatten(linked, train_forced=False)
+    assert n == 2 and [s.group for s in flat] == [0, 0, 0, 0, 1, 1]
+    m = finish_metrics(metric_sums(linked))
+    assert m["autothink/think_rate"] == pytest.approx(3 / 4)  # fresh valid auto replies only
+    assert m["autothink/auto_accuracy"] == 1.0
+    assert m["autothink/p_think"] == 1.0 and m["autothink/p_direct"] == pytest.approx(0.5)
+    assert m["autothink/prefer_direct"] == 0.5 and m["autothink/mode_match"] == pytest.approx(3 / 4)
+    assert m["autothink/mean_reply_tokens"] == pytest.approx((len(DIRECT) + 3 * len(THINK)) / 4)
+    assert m["autothink/forced_direct_accuracy"] == 0.5
+    rows = question_records(linked, step=3)
+    assert [r["question"] for r in rows] == ["q0", "q1"] and rows[0]["step"] == 3
+    again = mode_selection_rewards(*(replies_of(rows[0], role) for role in ("auto", "think", "direct")), CFG,
+                                   length_scale=20)
+    assert [a.reward for a in again.auto] == [x["reward"] for x in rows[0]["groups"]["auto"]]
+    with pytest.raises(KeyeInputError, match="group id"):
+        link_groups([_sample(2, "auto", DIRECT, True, 1.0)], 2, CFG, length_scale=20)
