@@ -6,6 +6,8 @@
     keye data synth --out data/synth --train 20000 --test 1000 --seed 0 [--workers N] [--image-fraction 0.1]
                     [--warmup N] [--modes]
     keye data clip-filter MANIFEST --out KEPT.jsonl --checkpoint CLIP.pt --model ViT-B-32 --threshold 0.3
+    keye data autothink MANIFEST --out DIR --base-url http://127.0.0.1:8000/v1 --model keye-tiny
+                        [--solver-url/--solver-model/... per role] [--concurrency 4] [--rps 0] [--retries 5]
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 
 def add_commands(subparsers: Any) -> None:
-    """Add ``keye data {check,synth,clip-filter}`` to the top-level ``keye`` parser."""
-    data = subparsers.add_parser("data", help="training data: check manifests, synthetic set, CLIP filter")
+    """Add ``keye data {check,synth,clip-filter,autothink}`` to the top-level ``keye`` parser."""
+    data = subparsers.add_parser(
+        "data", help="training data: check manifests, synthetic set, CLIP filter, AutoThink mode labels")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.set_defaults(func=lambda a: (data.print_help(), 2)[1])
 
@@ -60,6 +63,76 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_clip_filter)
+
+    _add_autothink(sub)
+
+
+_AUTOTHINK_HELP = """\
+Three roles answer every question of MANIFEST through OpenAI-compatible chat endpoints (keye serve, vLLM,
+a hosted API): the solver directly (prompt + /no_think), the thinker with a reasoning trace (prompt +
+/think), and the critic checks both against the row's reference answer. The label is "no_think" when the
+direct answer is right, "think" when only the reasoned one is, else "unsolved". The rule check (keye's
+synthetic-set scorer, deterministic) decides by default; the LLM critic's verdict is recorded next to it
+(--decide-by llm lets it decide, --no-critic-llm skips it).
+
+Writes DIR/autothink.jsonl (a keye SFT manifest whose assistant turns are Keye's auto format:
+<analysis>..</analysis> then <think>..</think>answer or the direct answer; columns mode_label, solver,
+thinker, critic), DIR/dropped.jsonl (unsolved questions), DIR/failed.jsonl (this run's failures and bad
+input rows) and DIR/summary.json. Rerunning the same command resumes: ids already written are skipped.
+
+Each role takes its endpoint from --ROLE-url / --ROLE-model / --ROLE-api-key-env, falling back to
+--base-url / --model / --api-key-env. API keys are read from the named environment variable only.
+"""
+
+
+def _add_autothink(sub: Any) -> None:
+    import argparse as _argparse
+
+    p = sub.add_parser("autothink", help="label questions with the thinking mode that suffices (solver / "
+                       "thinker / critic over OpenAI-compatible endpoints) and write a mode-labelled SFT manifest",
+                       description=_AUTOTHINK_HELP, formatter_class=_argparse.RawDescriptionHelpFormatter)
+    p.add_argument("manifest", help="input manifest of questions with references (answer, answer_kind, ...)")
+    p.add_argument("--out", required=True, help="output folder (created; reused to resume)")
+    g = p.add_argument_group("endpoints (defaults for every role)")
+    g.add_argument("--base-url", default=None, help="API root of the endpoint, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--model", default=None, help="model name sent in each request")
+    g.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the API key (default OPENAI_API_KEY; unset = 'EMPTY')")
+    g.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP attempt (default 120)")
+    defaults = {"solver": ("/no_think", 512), "thinker": ("/think", 2048), "critic": ("", 512)}
+    for role, (suffix, max_tokens) in defaults.items():
+        g = p.add_argument_group(f"{role} endpoint (overrides the defaults above)")
+        g.add_argument(f"--{role}-url", default=None, help=f"API root for the {role}")
+        g.add_argument(f"--{role}-model", default=None, help=f"model name for the {role}")
+        g.add_argument(f"--{role}-api-key-env", default=None, help=f"API key variable for the {role}")
+        g.add_argument(f"--{role}-temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+        g.add_argument(f"--{role}-max-tokens", type=int, default=max_tokens,
+                       help=f"reply budget in tokens (default {max_tokens})")
+        g.add_argument(f"--{role}-suffix", default=suffix,
+                       help=f"text appended to the question (default {suffix!r}: Keye's / Qwen3's mode switch)")
+    g = p.add_argument_group("critic and labels")
+    g.add_argument("--no-critic-llm", action="store_true", help="rule check only: no critic requests")
+    g.add_argument("--decide-by", choices=("rule", "llm"), default="rule",
+                   help="which verdict sets the label (default rule; the LLM verdict is always recorded)")
+    g.add_argument("--unsolved", choices=("drop", "keep"), default="drop",
+                   help="unsolved questions: drop (to dropped.jsonl, default) or keep as prompt-only rows")
+    g = p.add_argument_group("running")
+    g.add_argument("--media", choices=("data", "path"), default="data",
+                   help="send local images/videos as base64 data: URLs (default, any endpoint) or file:// URLs "
+                   "(the server must be allowed to read them, e.g. keye serve --allow-local-media DIR)")
+    g.add_argument("--concurrency", type=int, default=4, help="questions in flight (threads, default 4)")
+    g.add_argument("--rps", type=float, default=0.0, help="max request starts per second, all roles (0 = no limit)")
+    g.add_argument("--retries", type=int, default=5,
+                   help="retries per request on connection errors, timeouts, 408/409/429/5xx (default 5)")
+    g.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds, doubled each retry")
+    g.add_argument("--backoff-max", type=float, default=30.0, help="cap on one retry delay, seconds")
+    g.add_argument("--limit", type=int, default=None, help="only the first N questions of the manifest")
+    g.add_argument("--resume", action=_argparse.BooleanOptionalAction, default=True,
+                   help="skip ids already in the output (default); --no-resume empties the output first")
+    g.add_argument("--transport", choices=("openai", "httpx"), default=None,
+                   help="HTTP client (default: the openai package when installed, else httpx)")
+    g.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_autothink)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -121,3 +194,32 @@ def _clip_filter(args: argparse.Namespace) -> int:
         print(f"bad: {b}", file=sys.stderr)
     print(rep.format())
     return 0
+
+
+def _autothink(args: argparse.Namespace) -> int:
+    from keye.data.autothink import AutoThinkDataConfig, EndpointConfig, synthesize
+    from keye.errors import KeyeConfigError
+
+    endpoints = {}
+    for role in ("solver", "thinker", "critic"):
+        url = getattr(args, f"{role}_url") or args.base_url
+        model = getattr(args, f"{role}_model") or args.model
+        if role == "critic" and args.no_critic_llm:
+            url, model = url or "http://unused", model or "unused"
+        if not url or not model:
+            raise KeyeConfigError(f"the {role} has no endpoint: pass --base-url and --model, or --{role}-url and "
+                                  f"--{role}-model")
+        endpoints[role] = EndpointConfig(
+            base_url=url, model=model, api_key_env=getattr(args, f"{role}_api_key_env") or args.api_key_env,
+            temperature=getattr(args, f"{role}_temperature"), max_tokens=getattr(args, f"{role}_max_tokens"),
+            suffix=getattr(args, f"{role}_suffix"), timeout=args.timeout,
+        )
+    config = AutoThinkDataConfig(
+        **endpoints, critic_llm=not args.no_critic_llm, decide_by=args.decide_by, unsolved=args.unsolved,
+        media=args.media, concurrency=args.concurrency, rps=args.rps, retries=args.retries, backoff=args.backoff,
+        backoff_max=args.backoff_max, limit=args.limit, resume=args.resume, transport=args.transport,
+        progress=not args.no_progress,
+    )
+    summary = synthesize(args.manifest, args.out, config)
+    print(summary.format())
+    return 1 if summary.failed or summary.bad_input else 0
