@@ -1,0 +1,171 @@
+"""Thinking-mode targets of the synthetic set: traces checked against the scene's objects, the three
+formats parsed and format-checked as the modes they claim, token lengths bounded, default set unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from keye.data.synth import (
+    LETTERS,
+    THINK_TYPES,
+    VIDEO_TYPES,
+    generate,
+    make_scene,
+    mode_rows,
+    mode_targets,
+    reasoning_trace,
+)
+from keye.errors import KeyeConfigError
+from keye.processing.chat import parse_response
+from keye.rewards.format import check_format
+
+TIME = re.compile(r"\d+\.\d")
+
+
+def _scenes(qtype: str, n: int, image: bool = False):
+    for k in range(n):
+        sc = make_scene(np.random.default_rng([77, k, len(qtype)]), qtype, image=image)
+        target = sc.choices[LETTERS.index(sc.answer)] if sc.choices is not None else sc.answer
+        yield sc, target
+
+
+def _scene_times(sc) -> set[float]:
+    """Every time at which something happens in the scene, from the objects themselves (not ``events``)."""
+    times = set()
+    for o in sc.objects:
+        times.add(o.t_appear)
+        for t in (o.t_change, o.bounce_at, o.t_vanish):
+            if t < sc.duration:
+                times.add(t)
+    return times
+
+
+def _think(trace_target: str) -> str:
+    return trace_target[len("<think>"): trace_target.index("</think>")]
+
+
+@pytest.mark.parametrize("image", [False, True])
+def test_count_trace_lists_every_object_and_totals_the_answer(image):
+    for sc, target in _scenes("count", 40, image):
+        trace = reasoning_trace(sc, target)
+        listing, step = trace.split("; ")
+        items = listing.split(", ")
+        assert len(items) == len(sc.objects) == int(sc.answer)
+        assert step == f"total {sc.answer}"
+        names = sorted(f"{o.color} {o.shape}" for o in sc.objects)
+        assert sorted(" ".join(i.split()[:2]) for i in items) == names
+        if not image:  # each object with the second it appears, in order of appearance
+            appear = [float(i.split(" at ")[1].split()[0]) for i in items]
+            assert appear == sorted(o.t_appear for o in sc.objects)
+            gone = sum(" gone at " in i for i in items)
+            assert gone == sum(o.t_vanish < sc.duration for o in sc.objects)
+
+
+@pytest.mark.parametrize("qtype", ["when_appear", "when_change", "when_collide", "when_leave"])
+def test_when_trace_times_are_scene_times_and_end_on_the_answer(qtype):
+    for sc, target in _scenes(qtype, 40):
+        trace = reasoning_trace(sc, target)
+        times = [float(t) for t in TIME.findall(trace)]
+        assert times and set(times) <= _scene_times(sc)
+        assert times[-1] == pytest.approx(float(sc.answer))  # the step reads the asked time
+        obj = sc.objects[0]
+        asked = {"when_appear": obj.t_appear, "when_change": obj.t_change, "when_leave": obj.t_vanish,
+                 "when_collide": obj.bounce_at}[qtype]
+        assert float(sc.answer) == pytest.approx(asked)
+
+
+def test_order_trace_lists_candidate_times_and_names_the_first():
+    for sc, target in _scenes("order", 40):
+        trace = reasoning_trace(sc, target)
+        listing, step = trace.split("; ")
+        assert step == f"first {target}"
+        first = min(sc.objects, key=lambda o: o.t_appear)
+        assert target == f"the {first.color} {first.shape}"
+        listed = [(i.rsplit(" at ", 1)[0], float(i.rsplit(" at ", 1)[1])) for i in listing.split(", ")]
+        assert listed == sorted(((f"{o.color} {o.shape}", o.t_appear) for o in sc.objects), key=lambda x: x[1])
+
+
+@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position"])
+def test_three_formats_parse_as_their_modes(qtype):
+    for sc, target in _scenes(qtype, 6, image=qtype == "position"):
+        m = mode_targets(sc, target)
+        p_think, p_direct, p_auto = (parse_response(m[k]) for k in ("think", "no_think", "auto"))
+        assert (p_think.mode, p_think.answer) == ("think", target)
+        assert p_think.think == reasoning_trace(sc, target)
+        assert (p_direct.mode, p_direct.answer) == ("no_think", target)
+        thinks = qtype in THINK_TYPES
+        assert p_auto.mode == ("auto_think" if thinks else "auto_no_think")
+        assert p_auto.answer == target
+        assert p_auto.analysis == ("/think" if thinks else "/no_think")
+        for mode in ("think", "no_think", "auto"):
+            assert check_format(m[mode], mode) == (1.0, ""), (qtype, mode, m[mode])
+
+
+def test_direct_types_are_exactly_the_non_stepwise_ones():
+    assert THINK_TYPES == {"count", "order", "when_appear", "when_change", "when_collide", "when_leave"}
+    for qtype in ("color", "shape", "direction", "detail", "color_change"):
+        sc, target = next(_scenes(qtype, 1))
+        assert mode_targets(sc, target)["auto"] == f"<analysis>/no_think</analysis>{target}"
+
+
+def test_trace_token_lengths_are_bounded():
+    from keye.processing.processor import KeyeProcessor
+    from keye.tiny import resolve_model_path
+
+    tok = KeyeProcessor.from_pretrained(resolve_model_path("keye-tiny")).tokenizer
+    lengths = {}
+    for qtype in sorted(THINK_TYPES):
+        lengths[qtype] = [len(tok.encode(reasoning_trace(sc, t))) for sc, t in _scenes(qtype, 60)]
+    longest = max(max(v) for v in lengths.values())
+    mean = float(np.mean([x for v in lengths.values() for x in v]))
+    assert longest <= 64, lengths
+    assert mean <= 40, mean
+
+
+DEFAULT_HASHES = {  # sha256 of the manifests of generate(train=24, test=6, seed=7) before modes existed
+    "train": "1e50524a435638ea6867b96ac9e2929c1044f6cd0dd0a3197378f6465a4d1fdd",
+    "test": "32b07867d052bb56573547de1402d886154fdb44247086c11a2cef8cc4e004ac",
+}
+
+
+def test_default_set_unchanged_and_modes_only_add_columns(tmp_path: Path):
+    plain = generate(tmp_path / "plain", train=24, test=6, seed=7, workers=0, progress=False)
+    for split, path in plain.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == DEFAULT_HASHES[split]
+    assert not (tmp_path / "plain" / "train_modes.jsonl").exists()
+    tagged = generate(tmp_path / "modes", train=24, test=6, seed=7, workers=0, progress=False, modes=True)
+    for split in ("train", "test"):
+        a = [json.loads(x) for x in plain[split].read_text().splitlines()]
+        b = [json.loads(x) for x in tagged[split].read_text().splitlines()]
+        assert [{k: v for k, v in r.items() if k not in ("modes", "auto_mode")} for r in b] == a
+        assert all(r["auto_mode"] == ("think" if r["question_type"] in THINK_TYPES else "no_think") for r in b)
+        rows = [json.loads(x) for x in (tmp_path / "modes" / f"{split}_modes.jsonl").read_text().splitlines()]
+        assert len(rows) == 3 * len(b)
+        for src, (t, d, u) in zip(b, zip(rows[0::3], rows[1::3], rows[2::3])):
+            texts = [r["messages"][0]["content"][-1]["text"] for r in (t, d, u)]
+            question = src["messages"][0]["content"][-1]["text"]
+            assert texts == [question + "/think", question + "/no_think", question]
+            assert [r["mode"] for r in (t, d, u)] == ["think", "no_think", "auto"]
+            assert [r["messages"][1]["content"][0]["text"] for r in (t, d, u)] == [
+                src["modes"]["think"], src["modes"]["no_think"], src["modes"]["auto"]]
+            assert t["messages"][0]["content"][0] == src["messages"][0]["content"][0]  # same clip
+            assert t["answer"] == src["answer"] and t["id"] == src["id"] + "-think"
+
+
+def test_mode_rows_rejects_rows_without_modes():
+    with pytest.raises(KeyeConfigError, match="row 'x' has no 'modes'"):
+        mode_rows([{"id": "x", "messages": []}])
+
+
+def test_cli_modes_flag(tmp_path: Path):
+    from keye.cli import main
+
+    assert main(["data", "synth", "--out", str(tmp_path), "--train", "3", "--test", "0", "--workers", "0",
+                 "--no-progress", "--modes"]) == 0
+    assert len((tmp_path / "train_modes.jsonl").read_text().splitlines()) == 9
