@@ -386,7 +386,7 @@ def finish_metrics(g: dict[str, float], prefix: str = "autothink/") -> dict[str,
 
 def question_records(linked_groups: Sequence[Sequence[RolloutSample]], step: int) -> list[dict[str, Any]]:
     """One JSON-able row per linked question: step, question id, the reward's estimates and preference, and
-    per role every reply (text, tokens, passed, base reward, final reward, valid, source). Feeding a row's
+    per role every reply (text, prompt mode, tokens, passed, base reward, final reward, valid, source). Feeding a row's
     replies back through :func:`mode_selection_rewards` reproduces its auto rewards (:func:`replies_of`)."""
     rows = []
     for members in linked_groups:
@@ -396,7 +396,7 @@ def question_records(linked_groups: Sequence[Sequence[RolloutSample]], step: int
         row: dict[str, Any] = {"step": step, "question": members[0].prompt.id, **q, "groups": {}}
         for role in ROLES:
             row["groups"][role] = [
-                {"text": s.text, "tokens": s.num_tokens, "passed": bool(s.passed), "valid": s.valid,
+                {"text": s.text, "mode": s.prompt.mode, "tokens": s.num_tokens, "passed": bool(s.passed), "valid": s.valid,
                  "source": s.source, "base_reward": float(s.metadata.get("autothink_base_reward", s.reward or 0.0)),
                  "reward": float(s.reward or 0.0)}
                 for s in members if role_of(s) == role]

@@ -10,7 +10,9 @@ One step (``keye.rl.update`` gives the core order; this module adds config, data
 optimizer, logging, evaluation and checkpoints):
 
 1. draw ``data.prompts_per_step / world`` prompts on each rank (its own slice of a seeded per-epoch
-   permutation), give them thinking modes (``algorithm.mode_mix``), sample ``rollout.G`` responses each;
+   permutation), give them thinking modes (``algorithm.mode_mix``), sample ``rollout.G`` responses each
+   (``algorithm.autothink``: each prompt becomes linked auto / forced-think / forced-direct groups and the auto
+   replies get the mode-selection reward, :mod:`keye.rl.autothink`);
 2. RLEP phase B: append ``replay.M`` replayed successes per group (missing ones as masked rows), score
    fresh and replayed responses with the same reward; with ``algorithm.dynamic_sampling`` groups whose
    accuracy (or total reward: ``dynamic_sampling_metric``) is all equal are dropped and refilled (at most
@@ -60,6 +62,7 @@ from keye.rl import (
     VLLMRollout,
     add_replay,
     assign_advantages,
+    autothink,
     collate_prompts,
     dynamic_sample,
     filter_prompts,
@@ -67,6 +70,7 @@ from keye.rl import (
     response_lengths,
     set_scores,
 )
+from keye.rl.autothink import AutoThinkConfig
 from keye.rl.learner import reduce_sums
 from keye.rl.losses import KL_LOSS_ESTIMATORS
 from keye.rl.rollout import load_weight_shards
@@ -158,6 +162,9 @@ class AlgorithmSection:
     oversample: float = 1.0
     difficulty: Any = None  # None, a preset name (flat, mixed_up, solved_down) or [[pass_rate, scale], ...]
     mode_mix: dict[str, float] | None = None  # e.g. {think: 1, no_think: 1, auto: 1}; None = prompts as given
+    # AutoThink mode-selection reward: each prompt -> linked auto / forced-think / forced-direct groups
+    # (keye/rl/autothink.py, docs/autothink.md); in-process loop only
+    autothink: AutoThinkConfig = field(default_factory=AutoThinkConfig)
 
 
 @dataclass
@@ -316,12 +323,35 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
     if a.difficulty is not None:
         DifficultyCurve.from_config(a.difficulty)
     ModeMix.from_config(a.mode_mix)
+    if a.autothink.enabled:
+        _validate_autothink(cfg)
     if cfg.train.steps < 1:
         raise KeyeConfigError(f"train.steps must be >= 1, got {cfg.train.steps}")
     if a.tis_cap is not None and a.tis_cap < 1.0:
         raise KeyeConfigError(f"algorithm.tis_cap must be >= 1 (or null to disable), got {a.tis_cap}")
     if r.sync_bytes < 1:
         raise KeyeConfigError(f"rollout.sync_bytes must be >= 1, got {r.sync_bytes}")
+
+
+def _validate_autothink(cfg: RLEPConfig) -> None:
+    """``algorithm.autothink`` checks: its own ranges, the in-process engine, no ``mode_mix`` (the linked groups
+    fix every prompt's modes), and a length penalty below the accuracy gap (a correct reply always beats a
+    wrong one of the same format)."""
+    from keye.rewards import RewardSpec
+
+    at = cfg.algorithm.autothink
+    at.check()
+    if cfg.rl.engine != "process":
+        raise KeyeConfigError("algorithm.autothink needs rl.engine=process for now (the Ray loops do not build the "
+                              "linked auto / think / direct groups)")
+    if cfg.algorithm.mode_mix is not None:
+        raise KeyeConfigError("algorithm.autothink sets every prompt's modes (auto + forced /think + /no_think "
+                              "groups); set algorithm.mode_mix to null")
+    spec = RewardSpec.from_dict(cfg.reward.spec)
+    gap = spec.accuracy * (2.0 if spec.accuracy_pm1 else 1.0)
+    if spec.accuracy > 0 and at.length_penalty >= gap:
+        raise KeyeConfigError(f"algorithm.autothink.length_penalty ({at.length_penalty}) must be below the accuracy "
+                              f"gap of reward.spec ({gap}), or a long correct reply could score below a wrong one")
 
 
 def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
@@ -624,6 +654,9 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     use_tree = tree_enabled(cfg)
     a = cfg.algorithm
     mix = ModeMix.from_config(a.mode_mix)
+    at = a.autothink
+    at_scale = at.length_scale if at.length_scale is not None else r.max_new_tokens
+    at_log = autothink.GroupLog(out_dir, state["step"], enabled=at.enabled and at.record and info.is_main)
     loss_kwargs = policy_loss_kwargs(cfg)
     per_rank = cfg.data.prompts_per_step // info.world_size
 
@@ -671,7 +704,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                     ) -> list[list[RolloutSample]]:
             ps = mix.assign(batch_prompts, mode_rng) if mix is not None else list(batch_prompts)
             t = time.time()
-            fresh = engine.generate(ps, r.G)
+            fresh = autothink.generate(engine, ps, r.G, at) if at.enabled else engine.generate(ps, r.G)
             samples = add_replay(fresh, pool, m_replay, encode=encode, eos_id=eos_id, max_response_len=r.max_new_tokens,
                                  rng=replay_rng, match_mode=cfg.replay.match_mode, decode=decode) if m_replay else fresh
             timing["rollout"] += time.time() - t
@@ -681,6 +714,8 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             for s, parts in zip(samples, scores.parts):
                 s.metadata["reward_parts"] = parts
             timing["score"] += time.time() - t
+            if at.enabled:  # one linked list (auto, think, direct groups) per prompt, auto replies re-rewarded
+                return autothink.link_groups(samples, len(ps), at, at_scale)
             groups: dict[int, list[RolloutSample]] = {}
             for s in samples:
                 groups.setdefault(s.group, []).append(s)
@@ -688,16 +723,25 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
 
         if a.dynamic_sampling:
             res = dynamic_sample(stream.draw, produce, per_rank,
-                                 rewards_of=lambda g: group_signal(g, a.dynamic_sampling_metric),
+                                 rewards_of=(lambda g: autothink.group_signal(g, a.dynamic_sampling_metric,
+                                                                              at.train_forced)) if at.enabled else
+                                 (lambda g: group_signal(g, a.dynamic_sampling_metric)),
                                  max_rounds=a.max_rounds, oversample=a.oversample)
             groups, ds_stats = res.groups, _dynsample_stats(res, info.device)
         else:
             groups, ds_stats = produce(stream.draw(per_rank)), {}
-        samples = []
-        for gi, g in enumerate(groups):
-            for s in g:
-                s.group = gi
-                samples.append(s)
+        at_row: dict[str, float] = {}
+        if at.enabled:  # measure and record the linked questions, then train their (trained) groups
+            at_row = autothink.finish_metrics(reduce_sums(autothink.metric_sums(groups), info.device))
+            if at.record:
+                at_log.write([q for rows in _all_gather(autothink.question_records(groups, step)) for q in rows])
+            samples, n_groups = autothink.flatten(groups, at.train_forced)
+        else:
+            samples, n_groups = [], len(groups)
+            for gi, g in enumerate(groups):
+                for s in g:
+                    s.group = gi
+                    samples.append(s)
         fresh = [s for s in samples if s.source == "rollout"]
         pool_added = 0
         if replay_on and cfg.replay.online:
@@ -715,7 +759,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             assign_advantages(samples, std=a.std, eps=a.eps, difficulty=a.difficulty, kl_reward_coef=a.kl_reward_coef)
 
         t = time.time()
-        res_update = learner.update(samples, n_groups=len(groups), seed=seed, pad_id=pad_id, use_tree=use_tree,
+        res_update = learner.update(samples, n_groups=n_groups, seed=seed, pad_id=pad_id, use_tree=use_tree,
                                     loss_kwargs=loss_kwargs)
         update_stats, grad_norms, skipped, lr_used = (res_update.stats, res_update.grad_norms, res_update.skipped,
                                                       res_update.lr)
@@ -725,6 +769,7 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         row = _step_metrics(samples, update_stats, info.device, tis=a.tis_cap is not None)
         row.update({f"time/{k}": v for k, v in timing.items()})
         row.update(ds_stats)
+        row.update(at_row)
         row.update(pool.stats())
         row["pool/added"] = float(pool_added)
         row["grad_norm"] = _mean(grad_norms)
