@@ -2,7 +2,8 @@
 
 The page shows, next to the chat, every frame the model saw (at the resolution it saw it, with its
 timestamp, slow/fast type and token cost) and the token totals. Thinking goes into a collapsible block
-above the answer. The model loads on a background thread; the status bar says when it is ready and
+above the answer; under a finished answer a small line says which mode the model chose and how many tokens
+it spent. The model loads on a background thread; the status bar says when it is ready and
 questions asked earlier wait for it. Requests are queued (one generation at a time by default) and any
 bad upload is answered with a readable message in the page, the server carrying on.
 """
@@ -26,6 +27,7 @@ from keye.demo.session import (
     SamplingSettings,
     VideoSettings,
     check_media,
+    reply_stats,
     split_partial,
     stream_reply,
 )
@@ -83,21 +85,34 @@ def _summary_markdown(summary: dict[str, Any], gen: dict[str, Any] | None = None
     return "  \n".join(lines)
 
 
-def _turn_messages(question: str, text: str, final: bool) -> list[dict[str, Any]]:
-    """Chatbot messages of one turn: the question, a collapsible thinking block if any, the answer."""
+def _turn_messages(
+    question: str, text: str, final: bool, stats: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Chatbot messages of one turn: the question, a collapsible thinking block if any, the answer.
+
+    ``stats`` (a finished reply's :func:`keye.demo.session.reply_stats`) adds the token count to the
+    thinking block's title and a small line under the answer with the mode the model chose and the tokens
+    it spent ("mode: direct · 7 tokens").
+    """
     view = split_partial(text)
     out: list[dict[str, Any]] = [{"role": "user", "content": question}]
     if view.thinking is not None:
         status = "done" if (view.thinking_done or final) else "pending"
+        title = "Thinking"
+        if stats is not None and stats.get("thought") and stats.get("think_tokens") is not None:
+            title += f" · {stats['think_tokens']} tokens"
         out.append(
             {
                 "role": "assistant",
                 "content": view.thinking or "…",
-                "metadata": {"title": "Thinking", "status": status},
+                "metadata": {"title": title, "status": status},
             }
         )
     if view.answer or final:
-        out.append({"role": "assistant", "content": view.answer or "*(no answer)*"})
+        answer = view.answer or "*(no answer)*"
+        if stats is not None:
+            answer += f"\n\n<sub>{stats['line']}</sub>"
+        out.append({"role": "assistant", "content": answer})
     elif view.thinking is None:
         out.append({"role": "assistant", "content": "…"})
     return out
@@ -215,7 +230,8 @@ def make_respond(host: ModelHost, max_video_seconds: float | None):
             gen = {"tokens": stats["tokens"], "seconds": time.perf_counter() - t0, "first": first or 0.0}
             parsed = host.processor.parse_response(text)
             session.turns.append((question, parsed.answer))
-            state["display"] = display + _turn_messages(question, text, True)
+            reply = reply_stats(text, stats["tokens"], getattr(host.processor, "tokenizer", None))
+            state["display"] = display + _turn_messages(question, text, True, reply)
             yield (state["display"], state, _alert(""), gallery, _summary_markdown(summary, gen), "")
         except KeyeError as err:
             yield fail(f"**Cannot answer:** {err}")

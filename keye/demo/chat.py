@@ -19,6 +19,7 @@ from keye.demo.session import (
     SamplingSettings,
     VideoSettings,
     check_media,
+    reply_stats,
     split_partial,
     stream_reply,
 )
@@ -126,22 +127,30 @@ class _Printer:
         self.out.write("\n")
         self.out.flush()
 
+    def footer(self, line: str) -> None:
+        """The mode / token line under a finished answer, dimmed on a terminal."""
+        self.out.write((_DIM if self.tty else "") + f"[{line}]" + (_RESET if self.tty else "") + "\n")
+        self.out.flush()
+
 
 def _ask(host: ModelHost, session: ChatSession, question: str, args: argparse.Namespace, quiet: bool) -> str:
     video, sampling = _settings(args)
     batch = host.processor(session.messages(question, video), mode=args.mode)
     printer = None if quiet else _Printer(sys.stdout)
-    text = ""
-    for piece in stream_reply(host.model, host.processor, batch, sampling):
+    text, gen = "", {"tokens": 0}
+    for piece in stream_reply(host.model, host.processor, batch, sampling, gen):
         text += piece
         if printer is not None:
             printer.update(text)
+    reply = reply_stats(text, gen["tokens"], getattr(host.processor, "tokenizer", None))
     if printer is not None:
         printer.finish()
+        printer.footer(reply["line"])
     parsed = host.processor.parse_response(text)
     session.turns.append((question, parsed.answer))
     if quiet:
-        print(json.dumps(vars(parsed), indent=1, ensure_ascii=False))
+        extra = {k: reply[k] for k in ("reply_tokens", "think_tokens")}
+        print(json.dumps({**vars(parsed), **extra}, indent=1, ensure_ascii=False))
     return text
 
 

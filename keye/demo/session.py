@@ -222,6 +222,23 @@ def split_partial(text: str) -> StreamView:
     return StreamView(thinking, done, _TAG.sub("", rest).strip())
 
 
+def reply_stats(text: str, generated_tokens: int | None, tokenizer: Any = None) -> dict[str, Any]:
+    """Which mode a finished reply used and what it cost, for the line shown under the answer.
+
+    ``generated_tokens`` is the count :func:`stream_reply` leaves in ``stats["tokens"]`` (EOS included,
+    the same count ``keye eval`` stores as ``reply_tokens``); the think block is tokenised with
+    ``tokenizer``. Returns :func:`keye.eval.modes.reply_stats` (``mode``, ``label``, ``thought``,
+    ``reply_tokens``, ``think_tokens``) plus ``line``, e.g. ``"mode: direct · 7 tokens"`` or
+    ``"mode: auto → think · 42 tokens (30 thinking)"``.
+    """
+    from keye.eval.modes import describe_reply
+    from keye.eval.modes import reply_stats as _stats
+
+    stats = _stats(text, reply_tokens=generated_tokens, tokenizer=tokenizer)
+    stats["line"] = describe_reply(stats)
+    return stats
+
+
 def stream_reply(
     model: Any, processor: Any, batch: Any, sampling: SamplingSettings, stats: dict[str, Any] | None = None
 ) -> Iterator[str]:

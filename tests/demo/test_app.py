@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 
@@ -58,8 +59,12 @@ def test_video_question_streams_the_greedy_answer(server, clip):
     job = _ask(_client(url), clip, max_new_tokens=12)
     chat, alert, gallery, summary, question = job.result(timeout=300)
     assert [m["role"] for m in chat][0] == "user" and _text(chat[0]) == QUESTION
-    answer = _text(chat[-1])
+    full = _text(chat[-1])
     assert chat[-1]["role"] == "assistant"
+    # Under the answer: the mode the model chose and the tokens it generated (the summary's count).
+    answer, _, footer = full.partition("\n\n<sub>")
+    generated = int(re.search(r"\*\*Generated:\*\* (\d+) tokens", summary).group(1))
+    assert re.fullmatch(rf"mode: .+ · {generated} tokens?( \(\d+ thinking\))?</sub>", footer), footer
 
     # Same answer as a plain greedy generate on the same messages (the page's default settings).
     proc, model = host.processor, host.model
@@ -70,7 +75,7 @@ def test_video_question_streams_the_greedy_answer(server, clip):
 
     # Streamed: several intermediate updates whose text grows towards the final answer.
     partial = [_text(o[0][-1]) for o in job.outputs() if o[0] and o[0][-1]["role"] == "assistant"]
-    growing = [t for t in dict.fromkeys(partial) if t not in ("…", answer)]
+    growing = [t for t in dict.fromkeys(partial) if t not in ("…", answer, full)]
     assert len(growing) >= 2 and all(answer.startswith(t) for t in growing)
 
     # The gallery shows the 6 sampled frames (3 s at 2 fps) with timestamp, slow/fast and tokens.
