@@ -41,7 +41,8 @@ Output folder (``out``):
 
 Resume: the two output files are append-only JSONL, one line written (and fsynced) as each question
 completes; a rerun skips every id already in ``autothink.jsonl`` or ``dropped.jsonl`` and sends none of its
-requests again. A last line cut short by a crash is detected and removed (:class:`keye.eval.runner.PredictionStore`).
+requests again. A last line cut short by a crash is detected and removed
+(:class:`keye.eval.runner.PredictionStore`).
 
 Robustness: every HTTP attempt passes one client-side rate limiter shared by all worker threads (``rps``:
 request starts per second, 0 = unlimited); connection errors, timeouts, HTTP 408 / 409 / 429 and 5xx are
@@ -209,7 +210,8 @@ class RateLimiter:
     so N workers together never exceed ``rps`` (no bursts). ``rps <= 0`` disables the limit.
     """
 
-    def __init__(self, rps: float, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, rps: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.interval = 1.0 / rps if rps > 0 else 0.0
         self._clock, self._sleep = clock, sleep
         self._next = 0.0
@@ -382,7 +384,7 @@ class ChatClient:
 
 
 def _media_url(path: str, kind: str, media: str, cache: dict[str, str]) -> str:
-    """The URL a media item travels as: passed-through URLs unchanged, local files as ``data:`` or ``file://``."""
+    """The URL a media item travels as: URLs unchanged, local files as ``data:`` or ``file://`` URLs."""
     if path.startswith(("http://", "https://", "data:")):
         return path
     if media == "path":
@@ -419,7 +421,8 @@ def to_openai_messages(messages: list[dict[str, Any]], media: str = "data",
             if kind == "text":
                 parts.append({"type": "text", "text": item["text"]})
             elif kind == "image":
-                parts.append({"type": "image_url", "image_url": {"url": _media_url(item["image"], "image", media, cache)}})
+                url = _media_url(item["image"], "image", media, cache)
+                parts.append({"type": "image_url", "image_url": {"url": url}})
             elif kind == "video":
                 if isinstance(item["video"], list):
                     raise KeyeInputError("frame-list videos cannot be sent in the OpenAI chat format; "
@@ -701,7 +704,8 @@ class _Pipeline:
         cache: dict[str, str] = {}
         replies = {}
         for role in ("solver", "thinker"):
-            msgs = to_openai_messages(with_suffix(item["messages"], getattr(cfg, role).suffix), cfg.media, cache)
+            prompt = with_suffix(item["messages"], getattr(cfg, role).suffix)
+            msgs = to_openai_messages(prompt, cfg.media, cache)
             replies[role] = _role_record(self.clients[role].chat(msgs), item, rule)
         solver, thinker = replies["solver"], replies["thinker"]
         thinker_ok = None if not rule else bool(thinker["correct"] and thinker["trace"])
@@ -711,11 +715,15 @@ class _Pipeline:
                             "label": label_for(bool(solver["correct"]), bool(thinker_ok))}
         llm = None
         if cfg.critic_llm:
-            msgs = critic_messages(item, solver["answer"], thinker["trace"], thinker["answer"], cfg.critic_trace_chars)
+            msgs = critic_messages(item, solver["answer"], thinker["trace"], thinker["answer"],
+                                   cfg.critic_trace_chars)
             reply = self.clients["critic"].chat(msgs)
             verdict = parse_verdict(reply.content)
-            llm = {"content": reply.content, "verdict": verdict, "attempts": reply.attempts, "usage": reply.usage,
-                   "agrees": None if verdict is None or rule_verdict is None else verdict["label"] == rule_verdict["label"]}
+            agrees = None
+            if verdict is not None and rule_verdict is not None:
+                agrees = verdict["label"] == rule_verdict["label"]
+            llm = {"content": reply.content, "verdict": verdict, "agrees": agrees, "attempts": reply.attempts,
+                   "usage": reply.usage}
         if cfg.decide_by == "llm" or not rule:
             if llm is not None and llm["verdict"] is not None:
                 verdict, decided_by = llm["verdict"], "llm"
@@ -732,23 +740,37 @@ class _Pipeline:
         critic = {"rule": rule_verdict, "llm": llm, "decided_by": decided_by, "analysis_source": None}
         row = {k: v for k, v in item["row"].items() if k not in ("messages", "answers")}
         prompt = _relocate(with_suffix(item["messages"], ""), self.out_dir)  # auto mode: no switch
-        row.update(id=item["id"], messages=prompt, mode_label=label, solver=solver, thinker=thinker, critic=critic)
+        row.update(id=item["id"], messages=prompt, mode_label=label, solver=solver, thinker=thinker,
+                   critic=critic)
         if label == "unsolved":
             if cfg.unsolved == "drop":
                 row["drop_reason"] = "unsolved"
             return row
-        # The critic's analysis sentence is used only when its own verdict is the label (otherwise it argues
-        # for the other mode) and it fits in the reply's format; else a template sentence.
+        # The critic's analysis sentence is tried first, only when its own verdict is the label (otherwise it
+        # argues for the other mode); the template sentence is the fallback when it is missing or would break
+        # the reply's format (a tag, or naming the other mode's switch).
         llm_verdict = llm["verdict"] if llm is not None else None
-        llm_analysis = llm_verdict["analysis"] if llm_verdict is not None and llm_verdict["label"] == label else None
-        if llm_analysis and not _TAG.search(llm_analysis) and len(llm_analysis) <= 500:
-            analysis, critic["analysis_source"] = llm_analysis, "critic"
-        else:
-            analysis, critic["analysis_source"] = analysis_for(label, item.get("question_type")), "template"
-        if label == "think":
-            text = auto_reply("think", analysis, thinker["answer"], thinker["trace"])
-        else:
-            text = auto_reply("no_think", analysis, solver["answer"])
+        candidates = []
+        if llm_verdict is not None and llm_verdict["label"] == label and llm_verdict["analysis"]:
+            candidates.append((llm_verdict["analysis"], "critic"))
+        candidates.append((analysis_for(label, item.get("question_type")), "template"))
+        text = error = None
+        for analysis, source in candidates:
+            try:
+                if label == "think":
+                    text = auto_reply("think", analysis, thinker["answer"], thinker["trace"])
+                else:
+                    text = auto_reply("no_think", analysis, solver["answer"])
+            except KeyeInputError as err:
+                error = err
+                continue
+            critic["analysis_source"] = source
+            break
+        if text is None:
+            # The answer or trace itself breaks the format (stray tags); asking again (same prompt, usually
+            # greedy) would give the same reply, so the question counts as done and is dropped with the reason.
+            row["drop_reason"] = f"malformed reply: {error}"
+            return row
         row["messages"] = prompt + [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
         return row
 
@@ -760,7 +782,9 @@ def _drop_final_assistant(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def load_questions(path: str | os.PathLike[str], *, need_rule: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def load_questions(
+    path: str | os.PathLike[str], *, need_rule: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Read a manifest into questions and bad rows.
 
     Returns ``(items, bad)``: each item has ``id``, ``line``, ``messages`` (parsed, absolute media paths, any
@@ -773,7 +797,8 @@ def load_questions(path: str | os.PathLike[str], *, need_rule: bool) -> tuple[li
 
     man = read_manifest(path)
     file = str(man.path)
-    bad = [{"kind": "bad_input", "file": file, "line": b.line, "id": b.id, "reason": b.reason} for b in man.bad_rows]
+    bad = [{"kind": "bad_input", "file": file, "line": b.line, "id": b.id, "reason": b.reason}
+           for b in man.bad_rows]
     items = []
     for s in man.samples:
         row = s.row
@@ -826,7 +851,8 @@ def synthesize(
     t0 = time.perf_counter()
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows_store, dropped_store = PredictionStore(out_dir / MANIFEST_NAME), PredictionStore(out_dir / DROPPED_NAME)
+    rows_store = PredictionStore(out_dir / MANIFEST_NAME)
+    dropped_store = PredictionStore(out_dir / DROPPED_NAME)
     failed_path = out_dir / FAILED_NAME
     if not config.resume:
         for p in (rows_store.path, dropped_store.path):
@@ -849,7 +875,8 @@ def synthesize(
 
     stats, lock = {"requests": 0, "retries": 0}, threading.Lock()
     pipeline = _Pipeline(config, out_dir, stats, lock)
-    bar = tqdm(total=len(items), initial=summary.skipped, desc="autothink", unit="q", disable=not config.progress)
+    bar = tqdm(total=len(items), initial=summary.skipped, desc="autothink", unit="q",
+               disable=not config.progress)
     pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="autothink")
     pending: dict[Future, dict[str, Any]] = {}
     queue = iter(todo)
@@ -870,9 +897,14 @@ def synthesize(
                 it = pending.pop(fut)
                 try:
                     rec = fut.result()
-                except (KeyeError, OSError) as err:
-                    rec = {"kind": "request_failed" if isinstance(err, (TransientError, RequestError)) else "bad_input",
-                           "file": str(manifest), "line": it["line"], "id": it["id"],
+                except Exception as err:  # noqa: BLE001 - one question's failure must not stop the run
+                    if isinstance(err, (TransientError, RequestError)):
+                        kind = "request_failed"
+                    elif isinstance(err, KeyeInputError):
+                        kind = "bad_input"  # unreadable media, a frame-list video, an unassemblable reply
+                    else:
+                        kind = "error"
+                    rec = {"kind": kind, "file": str(manifest), "line": it["line"], "id": it["id"],
                            "reason": f"{type(err).__name__}: {err}"}
                     failed_store.append([rec])
                     summary.failed += 1

@@ -53,11 +53,11 @@ class FakeOpenAI:
     ``[qNN]`` tag. Some first attempts fail (500, 429 with Retry-After, a reply slower than the client's
     timeout); every request is logged with its arrival time."""
 
-    def __init__(self, image_bytes: bytes | None = None, faults: bool = True):
+    def __init__(self, image_bytes: bytes | None = None, faults: bool = True, malformed: tuple[str, ...] = ()):
         self.log: list[tuple[float, str, str]] = []  # (arrival time, role, question id)
         self.images_ok: list[bool] = []
         self.lock = threading.Lock()
-        self.faults = faults
+        self.faults, self.malformed = faults, malformed
         self.image_bytes = image_bytes
         self.seen: dict[tuple[str, str], int] = {}
         fake = self
@@ -122,6 +122,10 @@ class FakeOpenAI:
             with self.lock:
                 self.images_ok.append(ok)
         if self.faults:
+            if qid == "q97":
+                return 429, {"error": {"message": "rate limited"}}, {"Retry-After": "2"}
+            if qid == "q98":
+                return 500, {"error": {"message": "internal error"}}, {}
             if qid == ALWAYS_FAILS and role == "solver":
                 return 503, {"error": {"message": "overloaded"}}, {}
             if attempt == 0 and (role, qid) == ("solver", "q01"):
@@ -135,6 +139,8 @@ class FakeOpenAI:
         reasoning = None
         if role == "solver":
             content = f"The answer is {right if kind in (0, 3) else wrong}."
+            if qid in self.malformed:
+                content += "</answer>"  # a stray closing tag: right, but not trainable as it is
         elif role == "thinker":
             final = right if kind in (0, 1) else wrong
             if i % 2 == 0:  # raw tags in the content (a server without a reasoning parser)
@@ -267,6 +273,53 @@ def test_llm_decides_when_asked(tmp_path):
     assert rows["q06"]["mode_label"] == "think" and rows["q06"]["critic"]["decided_by"] == "llm"
     assert rows["q04"]["critic"]["decided_by"] == "rule_fallback" and rows["q04"]["mode_label"] == "no_think"
     assert rows["q02"]["mode_label"] == "unsolved" and rows["q02"]["messages"][-1]["role"] == "user"
+
+
+def test_malformed_reply_is_dropped_not_retried(tmp_path):
+    manifest, png = _write_questions(tmp_path / "data", 4, bad_rows=False)
+    with FakeOpenAI(png, faults=False, malformed=("q00", "q01")) as fake:
+        summary = synthesize(manifest, tmp_path / "out", _config(fake.url, critic_llm=False))
+        rerun = synthesize(manifest, tmp_path / "out", _config(fake.url, critic_llm=False))
+    # q00 (direct answer right but carrying a stray tag) is dropped with the reason; q01's direct answer is
+    # wrong anyway, so its label is think and the thinker's reply is used.
+    dropped = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "out" / DROPPED_NAME).read_text().splitlines()}
+    assert dropped["q00"]["drop_reason"].startswith("malformed reply") and dropped["q00"]["mode_label"] == "no_think"
+    assert set(_ids(tmp_path / "out" / MANIFEST_NAME)) == {"q01", "q03"}
+    assert (summary.done, summary.failed, rerun.skipped, rerun.done) == (4, 0, 4, 0)
+
+
+def test_backoff_doubles_is_capped_and_honours_retry_after():
+    import threading as _threading
+
+    from keye.data.autothink import ChatClient, RateLimiter, TransientError
+
+    with FakeOpenAI() as fake:
+        for qid, backoff_max, want in (("q98", 10.0, [0.25, 0.5, 1.0]), ("q98", 0.6, [0.25, 0.5, 0.6]),
+                                       ("q97", 10.0, [2.0, 2.0, 2.0]), ("q97", 1.5, [1.5, 1.5, 1.5])):
+            delays: list[float] = []
+            stats = {"requests": 0, "retries": 0}
+            client = ChatClient(EndpointConfig(fake.url, "fake", timeout=5), RateLimiter(0), retries=3, backoff=0.25,
+                                backoff_max=backoff_max, transport="httpx", stats=stats, lock=_threading.Lock(),
+                                sleep=delays.append)
+            with pytest.raises(TransientError, match="gave up after 4 attempts"):
+                client.chat([{"role": "user", "content": f"[{qid}] hello/no_think"}])
+            client.close()
+            assert delays == want and stats == {"requests": 4, "retries": 3}
+
+
+def test_rows_without_a_rule_check_need_the_llm_critic(tmp_path):
+    from keye.data.autothink import load_questions
+
+    path = tmp_path / "m.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "Describe it."}], "answer": "a red circle",
+             "answer_kind": "text"},
+            {"id": "b", "messages": [{"role": "user", "content": "How many?"}], "answer": "2", "answer_kind": "numeric"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items, bad = load_questions(path, need_rule=True)
+    assert [i["id"] for i in items] == ["b"] and [(b["line"], b["id"]) for b in bad] == [(1, "a")]
+    assert "no rule check" in bad[0]["reason"]
+    items, bad = load_questions(path, need_rule=False)
+    assert [i["id"] for i in items] == ["a", "b"] and bad == []
 
 
 def test_rate_limit_is_shared_by_the_workers(tmp_path):
