@@ -213,19 +213,25 @@ def group_id(question: int, role: str) -> int:
 
 def generate(engine: Any, prompts: Sequence[RLPrompt], G: int, cfg: AutoThinkConfig) -> list[RolloutSample]:
     """Sample the linked groups of every prompt: ``G`` auto replies, ``cfg.think_samples`` forced-think and
-    ``cfg.direct_samples`` forced-direct replies (one engine call per role, so each role keeps its count).
+    ``cfg.direct_samples`` forced-direct replies. Roles with the same count share one engine call (with the
+    defaults G = 4 = think = direct, a single call: bigger decode batches); a role with 0 replies is skipped.
 
     Returns the samples ordered by group id (question, then role auto / think / direct), ``group`` set by
     :func:`group_id` and ``metadata["autothink_role"]`` set; deterministic for a seeded engine.
     """
     roles = expand(prompts)
     counts = {"auto": G, "think": cfg.think_samples, "direct": cfg.direct_samples}
-    out: list[RolloutSample] = []
+    calls: dict[int, list[str]] = {}
     for role in ROLES:
-        if counts[role] < 1 or not prompts:
-            continue
-        for s in engine.generate(roles[role], counts[role]):
-            s.group = group_id(s.group, role)
+        if counts[role] >= 1 and prompts:
+            calls.setdefault(counts[role], []).append(role)
+    out: list[RolloutSample] = []
+    n = len(prompts)
+    for count, call_roles in calls.items():
+        batch = [p for role in call_roles for p in roles[role]]
+        for s in engine.generate(batch, count):
+            role = call_roles[s.group // n]
+            s.group = group_id(s.group % n, role)
             s.metadata["autothink_role"] = role
             out.append(s)
     out.sort(key=lambda s: s.group)  # stable: each group keeps the engine's sample order

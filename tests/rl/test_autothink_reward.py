@@ -252,3 +252,36 @@ def test_link_groups_flatten_signal_and_metrics():
     assert [a.reward for a in again.auto] == [x["reward"] for x in rows[0]["groups"]["auto"]]
     with pytest.raises(KeyeInputError, match="group id"):
         link_groups([_sample(2, "auto", DIRECT, True, 1.0)], 2, CFG, length_scale=20)
+
+
+class _Engine:
+    """Records each generate call and answers every prompt n times (text = its mode and reply index)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, n):
+        self.calls.append(([(p.id, p.mode) for p in prompts], n))
+        return [RolloutSample(prompt=p, group=i, inputs=PromptInputs(torch.tensor([1])), response_ids=torch.tensor([5]),
+                              text=f"{p.mode}{k}", finished=True) for i, p in enumerate(prompts) for k in range(n)]
+
+
+@pytest.mark.parametrize("G, think_n, direct_n, n_calls", [(2, 2, 2, 1), (2, 3, 2, 2), (3, 1, 0, 2), (1, 0, 0, 1)])
+def test_generate_links_three_groups_per_question(G, think_n, direct_n, n_calls):
+    from keye.rl.autothink import generate
+
+    prompts = [RLPrompt(f"q{i}", [{"role": "user", "content": "How many? /think"}], mode=None) for i in range(3)]
+    engine = _Engine()
+    cfg = AutoThinkConfig(think_samples=think_n, direct_samples=direct_n)
+    out = generate(engine, prompts, G, cfg)
+    assert len(engine.calls) == n_calls  # roles with equal counts share a call
+    assert sorted(m for call, _ in engine.calls for _, m in call) == sorted(
+        ["auto"] * 3 + ["think"] * 3 * (think_n > 0) + ["no_think"] * 3 * (direct_n > 0))
+    expected = []  # (group id, question id, role, mode, text) worked out from the layout 3 * question + role
+    for q in range(3):
+        for r, (role, mode, n) in enumerate((("auto", "auto", G), ("think", "think", think_n),
+                                             ("direct", "no_think", direct_n))):
+            expected += [(3 * q + r, f"q{q}", role, mode, f"{mode}{k}") for k in range(n)]
+    got = [(s.group, s.prompt.id, s.metadata["autothink_role"], s.prompt.mode, s.text) for s in out]
+    assert got == expected
+    assert prompts[0].mode is None  # the caller's prompts are not modified
