@@ -92,23 +92,27 @@ def _add_autothink(sub: Any) -> None:
                        "thinker / critic over OpenAI-compatible endpoints) and write a mode-labelled SFT manifest",
                        description=_AUTOTHINK_HELP, formatter_class=_argparse.RawDescriptionHelpFormatter)
     p.add_argument("manifest", help="input manifest of questions with references (answer, answer_kind, ...)")
-    p.add_argument("--out", required=True, help="output folder (created; reused to resume)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; reused to resume)")
     g = p.add_argument_group("endpoints (defaults for every role)")
-    g.add_argument("--base-url", default=None, help="API root of the endpoint, e.g. http://127.0.0.1:8000/v1")
-    g.add_argument("--model", default=None, help="model name sent in each request")
-    g.add_argument("--api-key-env", default="OPENAI_API_KEY",
+    g.add_argument("--base-url", default=None, metavar="URL",
+                   help="API root of the endpoint, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--model", default=None, metavar="NAME", help="model name sent in each request")
+    g.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
                    help="environment variable holding the API key (default OPENAI_API_KEY; unset = 'EMPTY')")
-    g.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP attempt (default 120)")
+    g.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds per HTTP attempt (default 120)")
     defaults = {"solver": ("/no_think", 512), "thinker": ("/think", 2048), "critic": ("", 512)}
     for role, (suffix, max_tokens) in defaults.items():
         g = p.add_argument_group(f"{role} endpoint (overrides the defaults above)")
-        g.add_argument(f"--{role}-url", default=None, help=f"API root for the {role}")
-        g.add_argument(f"--{role}-model", default=None, help=f"model name for the {role}")
-        g.add_argument(f"--{role}-api-key-env", default=None, help=f"API key variable for the {role}")
-        g.add_argument(f"--{role}-temperature", type=float, default=0.0, help="sampling temperature (default 0)")
-        g.add_argument(f"--{role}-max-tokens", type=int, default=max_tokens,
+        g.add_argument(f"--{role}-url", default=None, metavar="URL", help=f"API root for the {role}")
+        g.add_argument(f"--{role}-model", default=None, metavar="NAME", help=f"model name for the {role}")
+        g.add_argument(f"--{role}-api-key-env", default=None, metavar="VAR",
+                       help=f"API key variable for the {role}")
+        g.add_argument(f"--{role}-temperature", type=float, default=0.0, metavar="T",
+                       help="sampling temperature (default 0)")
+        g.add_argument(f"--{role}-max-tokens", type=int, default=max_tokens, metavar="N",
                        help=f"reply budget in tokens (default {max_tokens})")
-        g.add_argument(f"--{role}-suffix", default=suffix,
+        g.add_argument(f"--{role}-suffix", default=suffix, metavar="TEXT",
                        help=f"text appended to the question (default {suffix!r}: Keye's / Qwen3's mode switch)")
     g = p.add_argument_group("critic and labels")
     g.add_argument("--no-critic-llm", action="store_true", help="rule check only: no critic requests")
@@ -120,13 +124,18 @@ def _add_autothink(sub: Any) -> None:
     g.add_argument("--media", choices=("data", "path"), default="data",
                    help="send local images/videos as base64 data: URLs (default, any endpoint) or file:// URLs "
                    "(the server must be allowed to read them, e.g. keye serve --allow-local-media DIR)")
-    g.add_argument("--concurrency", type=int, default=4, help="questions in flight (threads, default 4)")
-    g.add_argument("--rps", type=float, default=0.0, help="max request starts per second, all roles (0 = no limit)")
-    g.add_argument("--retries", type=int, default=5,
+    g.add_argument("--concurrency", type=int, default=4, metavar="N",
+                   help="questions in flight (threads, default 4)")
+    g.add_argument("--rps", type=float, default=0.0, metavar="R",
+                   help="max request starts per second, all roles (0 = no limit)")
+    g.add_argument("--retries", type=int, default=5, metavar="K",
                    help="retries per request on connection errors, timeouts, 408/409/429/5xx (default 5)")
-    g.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds, doubled each retry")
-    g.add_argument("--backoff-max", type=float, default=30.0, help="cap on one retry delay, seconds")
-    g.add_argument("--limit", type=int, default=None, help="only the first N questions of the manifest")
+    g.add_argument("--backoff", type=float, default=0.5, metavar="S",
+                   help="first retry delay in seconds, doubled each retry")
+    g.add_argument("--backoff-max", type=float, default=30.0, metavar="S",
+                   help="cap on one retry delay, seconds")
+    g.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="only the first N questions of the manifest")
     g.add_argument("--resume", action=_argparse.BooleanOptionalAction, default=True,
                    help="skip ids already in the output (default); --no-resume empties the output first")
     g.add_argument("--transport", choices=("openai", "httpx"), default=None,
@@ -220,6 +229,10 @@ def _autothink(args: argparse.Namespace) -> int:
         backoff_max=args.backoff_max, limit=args.limit, resume=args.resume, transport=args.transport,
         progress=not args.no_progress,
     )
-    summary = synthesize(args.manifest, args.out, config)
+    try:
+        summary = synthesize(args.manifest, args.out, config)
+    except KeyboardInterrupt:
+        print(f"interrupted; what completed is in {args.out} and the same command resumes", file=sys.stderr)
+        return 130
     print(summary.format())
     return 1 if summary.failed or summary.bad_input else 0

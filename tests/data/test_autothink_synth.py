@@ -332,7 +332,7 @@ def test_rate_limit_is_shared_by_the_workers(tmp_path):
     # 4 workers against an instant server would send hundreds per second; the limiter spaces all starts.
     assert times[-1] - times[0] >= (len(times) - 1) / rps * 0.9
     for k in range(len(times) - 4):  # no burst: any 5 consecutive requests span about 4 intervals
-        assert times[k + 4] - times[k] >= 4 / rps * 0.6
+        assert times[k + 4] - times[k] >= 4 / rps * 0.4  # slack: a loaded machine may delay one arrival
 
 
 def test_resume_after_an_interrupted_run(tmp_path):
@@ -351,7 +351,9 @@ def test_resume_after_an_interrupted_run(tmp_path):
         done = _ids(out / MANIFEST_NAME) + _ids(out / DROPPED_NAME)
         assert sorted(done) == sorted(seen)
         # A crash in the middle of a write leaves half a line behind.
-        cut = next(_qid(i) for i in range(N_QUESTIONS) if _qid(i) not in done and EXPECTED[i % 4] != "unsolved")
+        # The cut row is one the stopped run never asked about, so no late request of that run can count.
+        cut = next(_qid(i) for i in range(N_QUESTIONS)
+                   if not fake.requests_for(_qid(i)) and EXPECTED[i % 4] != "unsolved")
         with open(out / MANIFEST_NAME, "a") as f:
             f.write(json.dumps({"id": cut, "messages": []})[:-8])  # cut mid-row, no newline
         time.sleep(0.3)  # let the stopped run's in-flight requests finish before marking the rerun's start
@@ -365,6 +367,27 @@ def test_resume_after_an_interrupted_run(tmp_path):
     assert sorted(all_ids) == sorted(_qid(i) for i in range(N_QUESTIONS))  # each id exactly once
     assert read_manifest(out / MANIFEST_NAME).bad_rows == []
     assert len(PredictionStore(out / MANIFEST_NAME).load()) == summary.rows_total
+
+
+def test_cli_per_role_endpoints_and_exit_code(tmp_path, capsys):
+    import argparse
+
+    from keye.data import cli
+
+    manifest, png = _write_questions(tmp_path / "data", 4)  # with the two bad rows -> exit code 1
+    parser = argparse.ArgumentParser(prog="keye")
+    cli.add_commands(parser.add_subparsers())
+    with FakeOpenAI(png, faults=False) as fake:
+        args = parser.parse_args([
+            "data", "autothink", str(manifest), "--out", str(tmp_path / "out"), "--base-url", "http://127.0.0.1:9/v1",
+            "--model", "nobody", "--solver-url", fake.url, "--solver-model", "fake", "--thinker-url", fake.url,
+            "--thinker-model", "fake", "--no-critic-llm", "--no-progress", "--retries", "0", "--rps", "50"])
+        assert args.func(args) == 1
+    assert {role for _, role, _ in fake.log} == {"solver", "thinker"}  # the critic default was never used
+    printed = capsys.readouterr().out
+    assert "questions 4: done 4" in printed and "bad input rows 2" in printed
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["labels"] == {
+        "no_think": 2, "think": 1, "unsolved": 1}
 
 
 def test_config_errors_name_the_field(tmp_path):
