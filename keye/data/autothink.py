@@ -849,6 +849,7 @@ def synthesize(
 
     config.validate()
     t0 = time.perf_counter()
+    items, bad = load_questions(manifest, need_rule=not config.critic_llm)  # before touching the output
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_store = PredictionStore(out_dir / MANIFEST_NAME)
@@ -860,7 +861,6 @@ def synthesize(
     done_ids = set(rows_store.load()) | set(dropped_store.load())  # load() also cuts a crash's partial line
     failed_path.write_bytes(b"")  # failures of this run only: failed questions are asked again
 
-    items, bad = load_questions(manifest, need_rule=not config.critic_llm)
     if config.limit is not None:
         items = items[: config.limit]
     summary = Summary(questions=len(items), bad_input=len(bad))
