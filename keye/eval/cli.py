@@ -596,8 +596,9 @@ def _rows_for_compare(path: Path, args: argparse.Namespace) -> list[dict[str, An
     records = read_records(path)
     if not records:
         raise KeyeInputError("no records", path=path)
-    if all("correct" in r for r in records):
-        return records
+    if all("correct" in r or "true_false" in r for r in records):
+        verdicts = modes.correct_map({str(r["id"]): r for r in records})
+        return [{**r, "correct": verdicts[str(r["id"])]} for r in records]
     return modes.scored_rows(
         records, _verdicts(args.benchmark, records, args), group_key=None, tokenizer=_tokenizer(args)
     )

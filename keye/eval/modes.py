@@ -401,7 +401,8 @@ def load_pass_rates(
 
     - ``modes.json`` of a run (its ``pass_rates``) or a JSON object ``{question_id: pass_rate}`` /
       ``{question_id: {"pass_rate": p}}``;
-    - a ``judgements.jsonl`` / ``modes.jsonl`` (records with ``id`` and ``correct``);
+    - a ``judgements.jsonl`` / ``modes.jsonl`` (records with ``id`` and ``correct``, or MathVista's
+      ``true_false``);
     - a ``predictions.jsonl`` (records without verdicts), scored with ``score`` (records -> ``{id: bool}``).
 
     Sample ids ``<id>#s<k>`` are pooled into their question. Raises ``KeyeInputError`` naming the file for
@@ -416,8 +417,8 @@ def load_pass_rates(
         records = read_records(path)
         if not records:
             raise KeyeInputError("difficulty reference has no records", path=path)
-        if all("correct" in r for r in records):
-            verdicts = {str(r["id"]): bool(r["correct"]) for r in records}
+        if all("correct" in r or "true_false" in r for r in records):
+            verdicts = correct_map({str(r["id"]): r for r in records})
         elif score is None:
             raise KeyeInputError("records carry no 'correct' verdicts and no scorer was given", path=path)
         else:

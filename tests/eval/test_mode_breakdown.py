@@ -218,7 +218,7 @@ def test_load_pass_rates_formats(tmp_path) -> None:
     assert modes.load_pass_rates(tmp_path / "modes.json") == {"a": 0.5, "b": 1.0}
     (tmp_path / "plain.json").write_text(json.dumps({"a": 0.25}))
     assert modes.load_pass_rates(tmp_path / "plain.json") == {"a": 0.25}
-    judged = [{"id": "a#s0", "correct": True}, {"id": "a#s1", "correct": False}, {"id": "b", "correct": True}]
+    judged = [{"id": "a#s0", "correct": True}, {"id": "a#s1", "correct": False}, {"id": "b", "true_false": True}]
     (tmp_path / "j.jsonl").write_text("".join(json.dumps(r) + "\n" for r in judged))
     assert modes.load_pass_rates(tmp_path / "j.jsonl") == {"a": 0.5, "b": 1.0}
     preds = [{"id": "a#s0", "response": "x"}, {"id": "a#s1", "response": "y"}, {"id": "a#s2", "response": "y"}]
