@@ -1,6 +1,7 @@
 """``keye chat``: ask a checkpoint about videos / images from the terminal, the answer streamed as it is
 generated. With a question: one answer, then exit. Without one: an interactive multi-turn chat about the
-same media (``/reset`` forgets earlier turns, ``/exit`` or Ctrl-D quits).
+same media (``/reset`` forgets earlier turns, ``/exit`` or Ctrl-D quits). After each answer a line says
+which mode the model chose and how many tokens it spent (``[mode: direct · 7 tokens]``).
 """
 
 from __future__ import annotations
