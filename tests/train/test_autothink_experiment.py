@@ -1,0 +1,105 @@
+"""The AutoThink experiment driver (training/autothink_experiment.py): its report arithmetic on constructed
+evaluations, and a test-sized run of every stage end to end with resume and --from-stage."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("autothink_experiment", REPO / "training/autothink_experiment.py")
+exp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exp)
+
+
+def _rec(qid, qtype, mode, correct, thought, tokens):
+    return {"id": qid, "question_type": qtype, "mode": mode, "correct": correct, "thought": thought,
+            "tokens": tokens, "used": mode}
+
+
+def _eval():
+    # 4 count questions where thinking helps (think 4/4, direct 1/4) and 4 colour questions where it does
+    # not (think 2/4, direct 3/4). Auto thinks on 3 of the counts and 1 of the colours.
+    recs = []
+    for i in range(4):
+        recs.append(_rec(f"c{i}", "count", "think", True, True, 40))
+        recs.append(_rec(f"c{i}", "count", "no_think", i == 0, False, 2))
+        recs.append(_rec(f"c{i}", "count", "auto", i != 3, i != 3, 45 if i != 3 else 6))
+        recs.append(_rec(f"k{i}", "color", "think", i < 2, True, 30))
+        recs.append(_rec(f"k{i}", "color", "no_think", i < 3, False, 2))
+        recs.append(_rec(f"k{i}", "color", "auto", i < 3, i == 0, 35 if i == 0 else 6))
+    return {"n": 8, "records": recs}
+
+
+def test_analyse_on_a_constructed_evaluation():
+    res = exp.analyse(_eval())
+    s = res["summary"]
+    assert s["think"]["accuracy"] == pytest.approx(6 / 8)
+    assert s["no_think"]["accuracy"] == pytest.approx(4 / 8)
+    assert s["auto"]["accuracy"] == pytest.approx(6 / 8)
+    assert s["auto"]["think_rate"] == pytest.approx(4 / 8)
+    assert res["better_fixed_mode"] == "think"
+    # per question auto - think: counts 0,0,0,-1; colours 0,0,+1,0 -> mean 0, sample var 2/7
+    vs = res["auto_minus_better_fixed"]
+    assert vs["diff"] == pytest.approx(0.0)
+    assert vs["se"] == pytest.approx(math.sqrt((2 / 7) / 8))
+    auto_tokens = (3 * 45 + 6 + 35 + 3 * 6) / 8
+    assert res["token_ratio_auto_over_think"] == pytest.approx(auto_tokens / 35)
+    assert res["think_helps_by_type"] == pytest.approx({"count": 0.75, "color": -0.25})
+    assert res["auto_think_rate_where_thinking_helps"]["rate"] == pytest.approx(0.75)
+    assert res["auto_think_rate_where_it_does_not"]["rate"] == pytest.approx(0.25)
+    t = res["targets"]
+    assert t["auto_within_1pt_of_better_fixed"] and t["auto_thinks_more_where_it_helps"]
+    assert not t["auto_tokens_le_0.6x_think"]
+    md = exp.markdown({"after SFT": res}, 8)
+    assert "| after SFT | auto | 75.0 | 50.0 | 24.2 |" in md
+    assert "| count | 4 | +75.0 | 75.0 |" in md
+
+
+def test_paired_needs_the_same_questions():
+    assert exp.paired({"a": True, "b": False}, {"a": True, "b": True}) == pytest.approx(
+        {"diff": -0.5, "se": math.sqrt(0.5 / 2), "n": 2})
+    with pytest.raises(ValueError, match="same"):
+        exp.paired({"a": True}, {"b": True})
+
+
+@pytest.mark.slow
+def test_quick_run_end_to_end_resumes_and_redoes_from_a_stage(tmp_path, capsys):
+    out = tmp_path / "at"
+    assert exp.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["n_test"] == 6 and (out / "report.md").is_file()
+    res = report["results"]["after SFT"]
+    assert {r["mode"] for r in json.loads((out / "eval_sft.json").read_text())["records"]} == set(exp.EVAL_MODES)
+    assert res["summary"]["auto"]["n"] == 6
+    assert (out / "sft" / "final" / "model.safetensors").is_file()
+    from keye.processing.processor import KeyeProcessor
+
+    tok = KeyeProcessor.from_pretrained(str(out / "sft" / "final")).tokenizer
+    assert len(tok.encode("<analysis>")) == 1  # the trained checkpoint keeps the added tag tokens
+    if exp.rl_available():
+        assert (out / "rl" / "final" / "model.safetensors").is_file()
+        assert "after AutoThink RL" in report["results"] and report["rl"] == "done"
+    else:
+        assert "not available" in json.loads((out / "rl_skipped.json").read_text())["skipped"]
+        assert report["rl"].startswith("pending")
+    capsys.readouterr()
+
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "eval_sft.json", out / "sft" / "final" / "model.safetensors",
+                                                 out / "data" / "train_modes.jsonl")}
+    assert exp.main(["--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for stage in ("data", "init", "sft", "eval_sft", "rl"):
+        assert f"[{stage}] done already" in printed
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+
+    assert exp.main(["--quick", "--out", str(out), "--from-stage", "eval_sft"]) == 0
+    printed = capsys.readouterr().out
+    assert "[eval_sft] running" in printed and "[sft] done already" in printed
+    assert (out / "eval_sft.json").stat().st_mtime_ns != mtimes[out / "eval_sft.json"]
+    assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == \
+        mtimes[out / "sft" / "final" / "model.safetensors"]
