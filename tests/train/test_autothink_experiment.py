@@ -55,7 +55,9 @@ def test_analyse_on_a_constructed_evaluation():
     t = res["targets"]
     assert t["auto_within_1pt_of_better_fixed"] and t["auto_thinks_more_where_it_helps"]
     assert not t["auto_tokens_le_0.6x_think"]
+    assert res["auto_mean_tokens_by_choice"] == pytest.approx({"think": (3 * 45 + 35) / 4, "direct": 6.0})
     md = exp.markdown({"after SFT": res}, 8)
+    assert f"| {auto_tokens / 35:.2f} (42.5 / 6.0 tokens) |" in md
     assert "| after SFT | auto | 75.0 | 50.0 | 24.2 |" in md
     assert "| count | 4 | +75.0 | 75.0 |" in md
 
