@@ -5,7 +5,10 @@ and runs them again):
 
   data      the mode-tagged synthetic set (``keye.data.synth`` with ``modes=True``): ``--train`` samples
             from the build seed (``--seed``, three SFT rows each: /think, /no_think, auto) and a held-out
-            test split of ``--test`` questions from a seed keye-tiny never saw (``--test-seed``)
+            test split of ``--test`` questions from a seed keye-tiny never saw (``--test-seed``); the auto
+            rows' decisions follow ``--auto-labels``: ``type`` (default: think on the stepwise question
+            types only) or ``mixed`` (each sample 50/50, so the cold start takes both decisions on every
+            type and RL's groups can compare them)
   init      keye-tiny with ``<analysis>`` and ``</analysis>`` added to its tokenizer (two of the
             embedding's spare rows; the byte BPE spells each tag in 8 tokens otherwise, which would cost
             the auto mode 16 tokens of tags per reply)
@@ -91,15 +94,19 @@ def reset_from(out: Path, stage: str) -> None:
                 p.unlink()
 
 
-def make_data(out: Path, train: int, test: int, seed: int, test_seed: int, workers: int) -> None:
-    """The mode-tagged training rows (``train_modes.jsonl``) and the held-out test split (``test/test.jsonl``
-    from ``test_seed``)."""
+def make_data(out: Path, train: int, test: int, seed: int, test_seed: int, workers: int,
+              auto_labels: str = "type") -> None:
+    """The mode-tagged training rows (``train_modes.jsonl``, auto rows labelled by ``auto_labels``, see
+    :func:`keye.data.synth.generate_split`) and the held-out test split (``test/test.jsonl`` from
+    ``test_seed``; its labels are never trained on, so it keeps the default labelling and stays the same
+    held-out set whatever ``auto_labels``)."""
     from keye.data.synth import generate_split
 
     data = out / "data"
-    generate_split(data, "train", train, seed=seed, workers=workers, modes=True)
+    generate_split(data, "train", train, seed=seed, workers=workers, modes=True, auto_labels=auto_labels)
     generate_split(data / "test", "test", test, seed=test_seed, workers=workers, modes=True)
-    (data / "DONE").write_text(json.dumps({"train": train, "test": test, "seed": seed, "test_seed": test_seed}))
+    (data / "DONE").write_text(json.dumps({"train": train, "test": test, "seed": seed, "test_seed": test_seed,
+                                           "auto_labels": auto_labels}))
 
 
 def make_init(out: Path, policy: str) -> None:
@@ -315,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96, help="reply budget in evaluation and RL")
     ap.add_argument("--batch-size", type=int, default=25, help="questions per generation call in evaluation")
     ap.add_argument("--workers", type=int, default=1, help="processes rendering the clips")
+    ap.add_argument("--auto-labels", choices=("type", "mixed"), default="type",
+                    help="the cold start's auto decisions: type (think on the stepwise types only) or mixed "
+                         "(each sample 50/50, so both decisions are explored on every type)")
     ap.add_argument("--quick", action="store_true",
                     help="test-sized: 12 training samples, 6 questions, 2 SFT steps, 1 RL step")
     ap.add_argument("--from-stage", choices=STAGES, default=None, help="redo this stage and every later one")
@@ -346,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not skip("data"):
         s = time.perf_counter()
-        make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers)
-        mark("data", s, train=args.train, test=args.test)
+        make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers, args.auto_labels)
+        mark("data", s, train=args.train, test=args.test, auto_labels=args.auto_labels)
     if not skip("init"):
         s = time.perf_counter()
         make_init(out, args.policy)

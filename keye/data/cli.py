@@ -4,7 +4,7 @@
 
     keye data check MANIFEST [--root DIR] [--processor DIR] [--json]
     keye data synth --out data/synth --train 20000 --test 1000 --seed 0 [--workers N] [--image-fraction 0.1]
-                    [--warmup N] [--modes]
+                    [--warmup N] [--modes [--auto-labels type|mixed]]
     keye data clip-filter MANIFEST --out KEPT.jsonl --checkpoint CLIP.pt --model ViT-B-32 --threshold 0.3
     keye data autothink MANIFEST --out DIR --base-url http://127.0.0.1:8000/v1 --model keye-tiny
                         [--solver-url/--solver-model/... per role] [--concurrency 4] [--rps 0] [--retries 5]
@@ -46,6 +46,9 @@ def add_commands(subparsers: Any) -> None:
                    help="also write N large-object caption images (warmup.jsonl, keye-tiny's perception stage)")
     p.add_argument("--modes", action="store_true",
                    help="add thinking-mode targets (think / no_think / auto) and write <split>_modes.jsonl")
+    p.add_argument("--auto-labels", choices=("type", "mixed"), default="type",
+                   help="with --modes, the auto rows' decisions: type (think on the stepwise question types "
+                        "only) or mixed (each sample 50/50)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -175,7 +178,7 @@ def _synth(args: argparse.Namespace) -> int:
         image_fraction=args.image_fraction,
         progress=not args.no_progress,
         warmup=args.warmup,
-        modes=args.modes,
+        modes=args.modes, auto_labels=args.auto_labels,
     )
     dt = time.perf_counter() - t0
     n = args.train + args.test

@@ -42,6 +42,9 @@ auto         (no switch)        ``<analysis>/think</analysis><think>TRACE</think
                                 types in :data:`THINK_TYPES`, else ``<analysis>/no_think</analysis>ANSWER``
 ============ ================== ===============================================================
 
+That auto labelling is ``auto_labels="type"`` (the default); ``auto_labels="mixed"`` instead draws each
+sample's auto decision 50/50 from its own seeded generator (:func:`mixed_auto_think`), whatever the type.
+
 TRACE is the clip's dense caption (:func:`describe`: each object with the second it appears, what it
 does and when it is gone), followed for the stepwise types by the step that reads the answer off it:
 ``count`` the total, ``order`` the first of the candidates, ``when_*`` the asked event and its second.
@@ -542,15 +545,17 @@ def reasoning_trace(scene: Scene, target: str) -> str:
     return caption if step is None else f"{caption}; {step}"
 
 
-def mode_targets(scene: Scene, target: str) -> dict[str, str]:
+def mode_targets(scene: Scene, target: str, auto_think: bool | None = None) -> dict[str, str]:
     """The assistant target of each thinking mode for a scene's question whose direct answer is
     ``target`` (see the module's modes table): ``{"think", "no_think", "auto"}``. The auto target opens
-    with ``<analysis>/think</analysis>`` and thinks for :data:`THINK_TYPES`, else opens with
-    ``<analysis>/no_think</analysis>`` and answers directly (the analysis names the chosen switch, which
-    :mod:`keye.rewards.format` checks against the mode used)."""
+    with ``<analysis>/think</analysis>`` and thinks when ``auto_think`` (default ``None``: when the
+    question type is in :data:`THINK_TYPES`), else opens with ``<analysis>/no_think</analysis>`` and
+    answers directly (the analysis names the chosen switch, which :mod:`keye.rewards.format` checks
+    against the mode used)."""
     think = f"<think>{reasoning_trace(scene, target)}</think>{target}"
-    auto = (f"<analysis>/think</analysis>{think}" if scene.question_type in THINK_TYPES
-            else f"<analysis>/no_think</analysis>{target}")
+    if auto_think is None:
+        auto_think = scene.question_type in THINK_TYPES
+    auto = f"<analysis>/think</analysis>{think}" if auto_think else f"<analysis>/no_think</analysis>{target}"
     return {"think": think, "no_think": target, "auto": auto}
 
 
@@ -582,6 +587,23 @@ def mode_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """The generator that fully determines sample ``index`` of ``split``."""
     return np.random.default_rng([int(seed), SPLIT_CODES[split], int(index)])
+
+
+AUTO_LABELS = ("type", "mixed")
+"""The auto-mode labellings of ``modes=True`` rows: ``"type"`` thinks exactly on :data:`THINK_TYPES`;
+``"mixed"`` draws each sample's decision 50/50 (:func:`mixed_auto_think`), whatever its type."""
+
+
+def mixed_auto_think(seed: int, split: str, index: int) -> bool:
+    """The ``auto_labels="mixed"`` decision of sample ``index`` of ``split``: think with probability 1/2,
+    from its own generator seeded by ``(seed, split, index)`` and a constant salt, so it is reproducible
+    and independent of the sample's scene (which :func:`sample_rng` alone determines, untouched)."""
+    return bool(np.random.default_rng([int(seed), SPLIT_CODES[split], int(index), 0xA070]).random() < 0.5)
+
+
+def _check_auto_labels(auto_labels: str) -> None:
+    if auto_labels not in AUTO_LABELS:
+        raise KeyeConfigError(f"unknown auto_labels {auto_labels!r} (expected one of {', '.join(AUTO_LABELS)})")
 
 
 def _weighted(rng: np.random.Generator, table: dict[str, float]) -> str:
@@ -629,12 +651,17 @@ def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fr
 
 
 def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
-                modes: bool = False) -> dict[str, Any]:
+                modes: bool = False, auto_labels: str = "type") -> dict[str, Any]:
     """Render sample ``index`` of ``split`` into ``out_dir/media/<split>/`` and return its manifest row.
 
     The row's media path is relative to ``out_dir`` (the manifest root). With ``modes`` the row also has
-    ``modes`` (:func:`mode_targets`) and ``auto_mode`` ("think" / "no_think"); the rest is identical.
+    ``modes`` (:func:`mode_targets`) and ``auto_mode`` ("think" / "no_think", chosen by ``auto_labels``,
+    one of :data:`AUTO_LABELS`); the rest is identical.
+
+    Raises:
+        KeyeConfigError: unknown ``auto_labels``.
     """
+    _check_auto_labels(auto_labels)
     rng = sample_rng(seed, split, index)
     image = bool(rng.random() < image_fraction)
     qtype = _weighted(rng, IMAGE_TYPES if image else VIDEO_TYPES)
@@ -679,12 +706,14 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
         "events": scene.events,
     }
     if modes:
-        row["modes"] = mode_targets(scene, target)
-        row["auto_mode"] = "think" if scene.question_type in THINK_TYPES else "no_think"
+        auto_think = (mixed_auto_think(seed, split, index) if auto_labels == "mixed"
+                      else scene.question_type in THINK_TYPES)
+        row["modes"] = mode_targets(scene, target, auto_think)
+        row["auto_mode"] = "think" if auto_think else "no_think"
     return row
 
 
-def _make_star(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
+def _make_star(args: tuple[str, str, int, int, float, bool, str]) -> dict[str, Any]:
     if args[1] == "warmup":
         return make_warmup_sample(*args[:5])
     return make_sample(*args)
@@ -701,6 +730,7 @@ def generate_split(
     progress: bool = True,
     chunksize: int = 8,
     modes: bool = False,
+    auto_labels: str = "type",
 ) -> Path:
     """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``, plus
     ``out_dir/<split>_captions.jsonl`` (:func:`caption_rows`: one dense-caption row per sample, same media).
@@ -713,23 +743,28 @@ def generate_split(
         modes: also give each row its thinking-mode targets (``modes``, ``auto_mode``) and write
             ``out_dir/<split>_modes.jsonl`` (:func:`mode_rows`: three SFT rows per sample). Ignored for
             ``"warmup"``.
+        auto_labels: with ``modes``, how the auto rows decide (:data:`AUTO_LABELS`): ``"type"`` (default)
+            thinks on :data:`THINK_TYPES` only; ``"mixed"`` draws each sample's decision 50/50
+            (:func:`mixed_auto_think`), so a model fine-tuned on the rows takes both decisions on every
+            type (a cold start RL can still select from). The think and no_think rows are the same.
 
     Returns:
         The manifest path. Rows are in index order whatever the worker count.
 
     Raises:
-        KeyeConfigError: unknown split, negative ``n`` or ``image_fraction`` outside [0, 1].
+        KeyeConfigError: unknown split or ``auto_labels``, negative ``n`` or ``image_fraction`` outside [0, 1].
     """
     if split not in SPLIT_CODES:
         raise KeyeConfigError(f"unknown split {split!r} (expected one of {', '.join(SPLIT_CODES)})")
     if n < 0 or not 0.0 <= image_fraction <= 1.0:
         raise KeyeConfigError(f"need n >= 0 and 0 <= image_fraction <= 1, got n={n}, {image_fraction}")
+    _check_auto_labels(auto_labels)
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     modes = modes and split != "warmup"
-    jobs = [(str(out), split, i, seed, image_fraction, modes) for i in range(n)]
+    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels) for i in range(n)]
     workers = (os.cpu_count() or 1) if workers is None else workers
     bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
     if workers <= 0 or n <= 1:
@@ -759,15 +794,16 @@ def generate(
     progress: bool = True,
     warmup: int = 0,
     modes: bool = False,
+    auto_labels: str = "type",
 ) -> dict[str, Path]:
     """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
     ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`; ``modes`` adds the
-    thinking-mode targets and ``<split>_modes.jsonl``)."""
+    thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``)."""
     splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
     return {
         split: generate_split(
             out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress,
-            modes=modes,
+            modes=modes, auto_labels=auto_labels,
         )
         for split, n in splits
     }

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 from keye.data.synth import (
+    AUTO_LABELS,
     LETTERS,
     THINK_TYPES,
     VIDEO_TYPES,
     generate,
+    make_sample,
     make_scene,
+    mixed_auto_think,
     mode_rows,
     mode_targets,
     reasoning_trace,
@@ -169,3 +172,80 @@ def test_cli_modes_flag(tmp_path: Path):
     assert main(["data", "synth", "--out", str(tmp_path), "--train", "3", "--test", "0", "--workers", "0",
                  "--no-progress", "--modes"]) == 0
     assert len((tmp_path / "train_modes.jsonl").read_text().splitlines()) == 9
+
+
+MODES_HASHES = {  # sha256 of the modes manifests of generate(train=24, test=6, seed=7, modes=True) before
+    # auto_labels existed: the default labelling ("type") writes the same bytes
+    "train_modes.jsonl": "ff9432e314e4a4225e21076f89f1e716f0b40eedc33df0bef59cf9610482681f",
+    "test_modes.jsonl": "bd356000b4f012c488046995c7a5233e9a1862f45f0dae3aa67e2ae8730e3d16",
+    "train.jsonl": "aba69b29b0fccf7809909ae7fb9d6ac5cb0063994c3425b660f4bb0bb40bf761",
+}
+
+
+@pytest.mark.parametrize("labels", [None, "type"])
+def test_type_auto_labels_are_the_default_and_unchanged(tmp_path: Path, labels):
+    kw = {} if labels is None else {"auto_labels": labels}
+    generate(tmp_path, train=24, test=6, seed=7, workers=0, progress=False, modes=True, **kw)
+    for name, digest in MODES_HASHES.items():
+        assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_mixed_decision_is_a_seeded_fair_coin():
+    draws = [mixed_auto_think(3, "train", i) for i in range(4000)]
+    assert draws == [mixed_auto_think(3, "train", i) for i in range(4000)]  # deterministic
+    assert 0.47 < float(np.mean(draws)) < 0.53
+    other = [mixed_auto_think(4, "train", i) for i in range(4000)]
+    assert 0.4 < float(np.mean([a == b for a, b in zip(draws, other)])) < 0.6  # a new seed, new draws
+    test = [mixed_auto_think(3, "test", i) for i in range(4000)]
+    assert 0.4 < float(np.mean([a == b for a, b in zip(draws, test)])) < 0.6  # and a new split
+
+
+def test_mixed_auto_labels_take_both_decisions_on_every_type(tmp_path: Path):
+    n = 360
+    mixed = generate(tmp_path / "mixed", train=n, test=0, seed=7, workers=0, progress=False, modes=True,
+                     auto_labels="mixed")["train"]
+    rows = [json.loads(x) for x in mixed.read_text().splitlines()]
+    # the same samples as the default labelling: only the auto decision (and its target) differ
+    default = generate(tmp_path / "type", train=24, test=0, seed=7, workers=0, progress=False, modes=True)["train"]
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("auto_mode", "modes")}  # noqa: E731
+    for a, b in zip(rows, (json.loads(x) for x in default.read_text().splitlines())):
+        assert strip(a) == strip(b)
+        assert {k: a["modes"][k] for k in ("think", "no_think")} == {k: b["modes"][k] for k in ("think", "no_think")}
+    by_type: dict[str, list[bool]] = {}
+    for i, r in enumerate(rows):
+        thinks = r["auto_mode"] == "think"
+        assert thinks == mixed_auto_think(7, "train", i)
+        by_type.setdefault(r["question_type"], []).append(thinks)
+        auto = r["modes"]["auto"]
+        parsed = parse_response(auto)
+        assert parsed.mode == ("auto_think" if thinks else "auto_no_think")
+        assert parsed.analysis == ("/think" if thinks else "/no_think")
+        assert parsed.answer == r["messages"][1]["content"][0]["text"]
+        if thinks:
+            assert auto == "<analysis>/think</analysis>" + r["modes"]["think"]
+        assert check_format(auto, "auto") == (1.0, ""), auto
+    assert set(by_type) >= set(VIDEO_TYPES)
+    for qtype, ds in by_type.items():
+        assert any(ds) and not all(ds), (qtype, ds)  # both decisions on every type
+        if len(ds) >= 20:
+            assert 0.25 <= float(np.mean(ds)) <= 0.75, (qtype, len(ds), float(np.mean(ds)))
+    assert 0.42 <= float(np.mean([d for ds in by_type.values() for d in ds])) <= 0.58
+    # each sample's label comes from (seed, split, index) alone: rendering it again gives the same row
+    for i in (0, 5, n - 1):
+        again = make_sample(str(tmp_path / "again"), "train", i, 7, 0.1, True, "mixed")
+        assert again == rows[i]
+
+
+def test_unknown_auto_labels_rejected(tmp_path: Path):
+    assert AUTO_LABELS == ("type", "mixed")
+    with pytest.raises(KeyeConfigError, match="unknown auto_labels 'random'"):
+        generate(tmp_path, train=1, test=0, workers=0, progress=False, modes=True, auto_labels="random")
+
+
+def test_cli_auto_labels_flag(tmp_path: Path):
+    from keye.cli import main
+
+    assert main(["data", "synth", "--out", str(tmp_path), "--train", "8", "--test", "0", "--workers", "0",
+                 "--no-progress", "--modes", "--auto-labels", "mixed"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [r["auto_mode"] == "think" for r in rows] == [mixed_auto_think(0, "train", i) for i in range(8)]
