@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -223,13 +222,15 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def paired(a: dict[str, bool], b: dict[str, bool]) -> dict[str, float]:
     """Mean per-question difference a - b (correct as 0/1, same question ids) and its standard error
-    (sample std of the differences / sqrt(n)). Raises ValueError when the id sets differ or are empty."""
+    (sample std of the differences / sqrt(n); 0 for one question), by :func:`keye.eval.modes.paired_diff`.
+    Raises ValueError when the id sets differ or are empty (the experiment answers every question in every
+    mode, so a partial pairing means a broken evaluation)."""
+    from keye.eval.modes import paired_diff
+
     if set(a) != set(b) or not a:
         raise ValueError("paired comparison needs the same, non-empty set of questions on both sides")
-    d = [float(a[i]) - float(b[i]) for i in sorted(a)]
-    mean = sum(d) / len(d)
-    var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
-    return {"diff": mean, "se": math.sqrt(var / len(d)), "n": len(d)}
+    res = paired_diff([{"id": i, "correct": v} for i, v in a.items()], [{"id": i, "correct": v} for i, v in b.items()])
+    return {"diff": res["diff"], "se": res["se"] if res["se"] is not None else 0.0, "n": res["n"]}
 
 
 def analyse(ev: dict[str, Any]) -> dict[str, Any]:
