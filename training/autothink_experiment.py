@@ -13,15 +13,16 @@ and runs them again):
             embedding's spare rows; the byte BPE spells each tag in 8 tokens otherwise, which would cost
             the auto mode 16 tokens of tags per reply)
   sft       ``keye train sft --config training/configs/tiny_autothink_sft.yaml`` on the three-mode rows
-  eval_sft  the held-out questions answered greedily in think, no_think and auto mode
+  eval_sft  the held-out questions answered greedily in think, no_think and auto mode (``keye eval synth
+            --mode M``, one run folder per mode in ``<out>/evals/sft``)
   rl        AutoThink RL (``keye train rlep --config training/configs/tiny_autothink_rl.yaml``,
             ``algorithm.autothink.enabled=true``) from the SFT checkpoint; skipped with a message while
             ``keye.rl.autothink`` does not exist
   eval_rl   the held-out evaluation of the RL checkpoint
   report    ``<out>/report.json`` and a markdown table (printed and written to ``<out>/report.md``)
 
-Measured per checkpoint and mode: accuracy (``keye.eval.synth`` scoring of the reply's answer part, as
-split by :func:`keye.processing.chat.parse_response`), think rate (share of replies with a non-empty think
+Measured per checkpoint and mode, from ``keye eval synth``'s records: accuracy (its scoring of the reply's
+answer part, as split by :func:`keye.processing.chat.parse_response`), think rate (share of replies with a non-empty think
 block), mean reply tokens (generated tokens, the closing ``<|im_end|>`` included), all per question type.
 The report compares auto with the better fixed mode (paired per question: mean difference and its
 standard error, sample std / sqrt(n)), divides auto's mean reply tokens by always-think's, and splits the
@@ -73,9 +74,9 @@ def stage_outputs(out: Path) -> dict[str, list[Path]]:
         "data": [out / "data" / "DONE", out / "data"],
         "init": [out / "init" / "DONE", out / "init"],
         "sft": [out / "sft" / "final" / "model.safetensors", out / "sft"],
-        "eval_sft": [out / "eval_sft.json"],
+        "eval_sft": [out / "eval_sft.json", out / "evals" / "sft"],
         "rl": [out / "rl" / "final" / "model.safetensors", out / "rl", out / "rl_skipped.json"],
-        "eval_rl": [out / "eval_rl.json"],
+        "eval_rl": [out / "eval_rl.json", out / "evals" / "rl"],
         "report": [out / "report.json", out / "report.md"],
     }
 
@@ -151,53 +152,41 @@ def rl_available() -> bool:
 
 
 def evaluate(checkpoint: Path, test: Path, modes: tuple[str, ...], *, max_new_tokens: int,
-             batch_size: int) -> dict[str, Any]:
+             batch_size: int, out: Path) -> dict[str, Any]:
     """Greedy answers of ``checkpoint`` to every question of the manifest ``test`` in each mode of
-    ``modes``. Returns ``{"checkpoint", "n", "records": [...]}``, one record per (question, mode):
-    ``id``, ``question_type``, ``mode`` (requested), ``used`` (:func:`parse_response` mode), ``thought``
-    (non-empty think block), ``tokens`` (generated, EOS included), ``correct`` and ``reply``."""
-    import torch
-    from tqdm import tqdm
+    ``modes``, by ``keye eval synth --mode M`` (the product's evaluation: its prompts, scoring and per-mode
+    records; each run's files stay in ``out/<mode>``, and a mode whose ``report.json`` exists is not run
+    again). Returns ``{"checkpoint", "n", "records": [...]}``, one record per (question, mode): ``id``,
+    ``question_type``, ``mode`` (requested), ``used`` (:func:`parse_response` mode of the reply),
+    ``thought`` (non-empty think block), ``tokens`` (generated, EOS included), ``correct`` and ``reply``.
 
-    from keye.eval.synth import extract, is_correct, load_items
-    from keye.model.keye_vl import KeyeVL
-    from keye.processing.chat import apply_mode, parse_response
-    from keye.processing.processor import KeyeProcessor
-    from keye.rl.logprobs import model_inputs as vision_inputs
-    from keye.rl.masks import response_lengths
-    from keye.rl.rollout import collate_prompts, split_batch
+    Raises:
+        RuntimeError: an evaluation run whose files do not cover the same questions in every mode.
+    """
+    from keye.processing.chat import parse_response
 
-    torch.set_flush_denormal(True)
-    model = KeyeVL.from_pretrained(str(checkpoint), torch_dtype="float32")
-    model.eval()
-    proc = KeyeProcessor.from_pretrained(str(checkpoint))
-    items = load_items(test)
-    eos = list(model.config.eos_token_ids)
-    pad = int(proc.pad_token_id)
     records = []
-    bar = tqdm(total=len(items) * len(modes), desc=f"eval {checkpoint.parent.name}", unit="reply")
+    ids: list[str] | None = None
     for mode in modes:
-        for i in range(0, len(items), batch_size):
-            chunk = items[i : i + batch_size]
-            batch = proc([apply_mode(it["messages"], mode) for it in chunk], return_tensors="pt")
-            inputs = split_batch(batch, proc.image_token_id, proc.video_token_id,
-                                 proc.image_processor.config.merge_size)
-            gen = collate_prompts(inputs, pad)
-            with torch.no_grad():
-                seqs = model.generate(gen["input_ids"], gen["attention_mask"], max_new_tokens=max_new_tokens,
-                                      eos_token_id=eos, pad_token_id=pad, do_sample=False,
-                                      **vision_inputs(gen, model.device, model.dtype))
-            new = seqs[:, gen["input_ids"].shape[1]:]
-            for it, row, k in zip(chunk, new, response_lengths(new, eos, pad).tolist()):
-                text = proc.decode(row[:k], skip_special_tokens=True)
-                parsed = parse_response(text)
-                ok = is_correct(extract(parsed.answer, it), it)
-                records.append({"id": it["id"], "question_type": it["question_type"], "mode": mode,
-                                "used": parsed.mode, "thought": bool(parsed.think), "tokens": int(k),
-                                "correct": bool(ok), "reply": text})
-            bar.update(len(chunk))
-    bar.close()
-    return {"checkpoint": str(checkpoint), "n": len(items), "records": records}
+        run_dir = out / mode
+        if not (run_dir / "report.json").is_file():
+            run([sys.executable, "-m", "keye", "eval", "synth", "--model", str(checkpoint), "--data", str(test),
+                 "--mode", mode, "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size),
+                 "--out", str(run_dir)])
+        preds = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines() if line]
+        judged = {j["id"]: j["correct"] for j in map(json.loads, (run_dir / "judgements.jsonl").read_text().splitlines())}
+        thought = {m["id"]: m["thought"] for m in map(json.loads, (run_dir / "modes.jsonl").read_text().splitlines())}
+        order = [p["id"] for p in preds]
+        if ids is None:
+            ids = order
+        if sorted(order) != sorted(ids) or set(judged) != set(ids) or set(thought) != set(ids):
+            raise RuntimeError(f"{run_dir}: the evaluation files do not cover the same questions as the other modes")
+        for p in preds:
+            records.append({"id": p["id"], "question_type": p["question_type"], "mode": mode,
+                            "used": parse_response(p["raw_output"]).mode, "thought": bool(thought[p["id"]]),
+                            "tokens": int(p["reply_tokens"]), "correct": bool(judged[p["id"]]),
+                            "reply": p["raw_output"]})
+    return {"checkpoint": str(checkpoint), "n": len(ids or []), "records": records}
 
 
 def _mean(xs: list[float]) -> float:
@@ -374,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ev_kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     if not skip("eval_sft"):
         s = time.perf_counter()
-        ev = evaluate(out / "sft" / "final", test, EVAL_MODES, **ev_kw)
+        ev = evaluate(out / "sft" / "final", test, EVAL_MODES, out=out / "evals" / "sft", **ev_kw)
         outputs["eval_sft"][0].write_text(json.dumps(ev))
         mark("eval_sft", s)
     if not skip("rl"):
@@ -392,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             outputs["rl"][2].write_text(json.dumps({"skipped": msg}))
     if outputs["rl"][0].exists() and not skip("eval_rl"):
         s = time.perf_counter()
-        ev = evaluate(out / "rl" / "final", test, EVAL_MODES, **ev_kw)
+        ev = evaluate(out / "rl" / "final", test, EVAL_MODES, out=out / "evals" / "rl", **ev_kw)
         outputs["eval_rl"][0].write_text(json.dumps(ev))
         mark("eval_rl", s)
 
