@@ -137,9 +137,9 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     import ray
 
     from keye.rl.async_loop import train_async
+    from keye.rl.config import RLEPConfig
     from keye.rl.stream_worker import AnswerLengths
     from keye.train.config import load_config
-    from keye.train.rlep import RLEPConfig
 
     if warmup < 1 or steps <= warmup:
         raise SystemExit(f"need 1 <= warmup < steps, got warmup={warmup}, steps={steps}")

@@ -149,10 +149,10 @@ def worker(out_dir: Path, ckpt: Path, samples_path: Path, overrides: list[str], 
     import keye.rl.tree  # noqa: F401
     import keye.train.sft  # noqa: F401
     from keye.rl import assign_advantages
+    from keye.rl.config import RLEPConfig, policy_loss_kwargs
     from keye.rl.learner import Learner
     from keye.train import dist as kdist
     from keye.train.config import load_config
-    from keye.train.rlep import RLEPConfig, policy_loss_kwargs
 
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the first creates the AdamW state), got {steps}")
@@ -233,10 +233,10 @@ def plan_mib(ckpt: Path, samples_path: Path, overrides: list[str]) -> float:
     checkpoint, one padded micro-batch of rows of the batch's longest prompt + ``max_new_tokens``, the largest
     image per row, float32, no reference, no overhead line."""
     from keye.config import KeyeVLConfig
+    from keye.rl.config import RLEPConfig
     from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS
     from keye.rl.plan import plan_memory
     from keye.train.config import load_config
-    from keye.train.rlep import RLEPConfig
 
     cfg = load_config(RLEPConfig, None, overrides)
     micro, new = cfg.algorithm.micro_batch_size, cfg.rollout.max_new_tokens

@@ -141,8 +141,8 @@ def final_comparison(policy: str, runs: dict[str, Path], test: Path, samples: in
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
     from keye.rl import RewardScorer, load_rl_prompts
+    from keye.rl.evaluate import greedy_accuracy
     from keye.tiny import resolve_model_path
-    from keye.train.rlep import greedy_accuracy
 
     torch.set_flush_denormal(True)
     prompts = load_rl_prompts(test)

@@ -84,9 +84,9 @@ def resolve_model_config(model_path: str, explicit: str | None = None):
 
 def build_plan(args):
     """The :class:`~keye.rl.plan.MemoryPlan` of parsed ``keye rl plan`` arguments."""
+    from keye.rl.config import RLEPConfig
     from keye.rl.plan import plan_memory
     from keye.train.config import load_config
-    from keye.train.rlep import RLEPConfig
     from keye.train.sft import STAGE_FREEZE
 
     cfg = load_config(RLEPConfig, args.config, args.overrides)
@@ -137,7 +137,7 @@ def _plan(args) -> int:
     print(f"micro-batch: {a.micro_batch_size} rows x ({args.prompt_tokens} prompt incl. {args.vision_tokens} visual + "
           f"{cfg.rollout.max_new_tokens} response) tokens, padded; gradient checkpointing "
           f"{'on' if cfg.model.gradient_checkpointing else 'off'}")
-    from keye.train.rlep import tree_enabled
+    from keye.rl.config import tree_enabled
 
     if tree_enabled(cfg):
         print("note: tree.enabled: the update would run shared-prefix tree batches; this plan models padded "

@@ -47,10 +47,10 @@ def build_samples(ckpt: Path, manifest: Path, pool_path: Path):
 def run(out_dir: Path, ckpt: Path, manifest: Path, pool: Path, name: str, overrides: list[str], *, steps: int = 3) -> None:
     """Train the fixed batch with ``overrides`` on top of :data:`BASE`; see the module docstring."""
     from keye.rl import assign_advantages
+    from keye.rl.config import RLEPConfig, policy_loss_kwargs
     from keye.rl.learner import Learner
     from keye.train import dist as kdist
     from keye.train.config import load_config
-    from keye.train.rlep import RLEPConfig, policy_loss_kwargs
 
     info = kdist.init_distributed("cpu")
     torch.manual_seed(0)
