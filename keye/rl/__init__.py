@@ -18,6 +18,8 @@ Public pieces:
 - update.py: :func:`set_scores`, :func:`assign_advantages`, :func:`fill_logprobs`,
   :func:`accumulate_policy_gradients`;
 - tree.py / tree_attention.py: shared-prefix tree batches (import those modules directly).
+- config.py, components.py, batch.py, state.py, evaluate.py, metrics.py: the pieces of the RL recipe
+  (``keye train rlep``, :mod:`keye.train.rlep`; import those modules directly, docs/rl_learner.md).
 """
 
 from __future__ import annotations
