@@ -1,9 +1,14 @@
 """Asynchronous RL on Ray (``keye train rlep ... rl.engine=ray rl.mode=async``): generation overlaps training.
 
-The driver process holds the learner (:class:`keye.rl.learner.Learner`), a
-:class:`~keye.rl.trajectory.TrajectoryManager` and a :class:`~keye.rl.rollout_manager.RolloutManager` over
-``rl.ray.rollout_workers`` Ray actors, each a :class:`~keye.rl.stream_worker.StreamWorker` with whole weights
-that decodes in a background thread. One loop:
+The learner is the learner group of the synchronous Ray engine
+(:class:`keye.rl.ray_engine.RemoteLearner`): ``rl.ray.learners`` :class:`~keye.rl.ray_engine.LearnerActor` s,
+the ranks of one torch process group (``train.strategy`` none / ddp / fsdp2 / zero3 across them), each with
+``rl.ray.learner_cpus`` / ``rl.ray.learner_gpus`` in a placement group of their own. The driver holds no
+policy weights: it holds a :class:`~keye.rl.trajectory.TrajectoryManager`, a
+:class:`~keye.rl.rollout_manager.RolloutManager` over ``rl.ray.rollout_workers`` Ray actors (each a
+:class:`~keye.rl.stream_worker.StreamWorker` with whole weights that decodes in a background thread, with
+``rl.ray.rollout_cpus`` / ``rl.ray.rollout_gpus``, outside the learners' placement group) and the proxy of
+the learner group. One loop:
 
 1. **admit** prompts while the staleness rule allows (:meth:`TrajectoryManager.admissible_groups` with
    ``rl.max_staleness = k``, plus one more group for every group dropped by dynamic sampling or failed):
@@ -14,11 +19,12 @@ that decodes in a background thread. One loop:
 3. **batch**: complete groups in admission order; each gets its RLEP replay rows (``replay.M``, scored
    with the same reward) and, with ``algorithm.dynamic_sampling``, a group whose members all score the same
    is dropped (and replaced by a new admission); ``data.prompts_per_step`` kept groups make an update;
-4. **update**: the learner's log-probs (``old_logp``: the proximal policy = the weights about to be
-   updated) and reference log-probs, advantages, ``learner.update``; the loss is the decoupled PPO loss
-   (below); then the weights go to every worker as version ``v + 1``
-   (:meth:`RolloutManager.update_weights`: pause at a chunk boundary, load, resume; unfinished answers
-   continue under the new weights - partial rollouts);
+4. **update**: the learner group's log-probs (``old_logp``: the proximal policy = the weights about to be
+   updated) and reference log-probs, advantages, ``learner.update`` (the groups split over the ranks and the
+   mini-batches planned by the driver, exactly as in sync mode: N ranks compute the one-rank update); the
+   loss is the decoupled PPO loss (below); then learner rank 0 puts the exported shards into the object store
+   once and every worker loads them as version ``v + 1`` (:meth:`RolloutManager.update_weights`: pause at a
+   chunk boundary, load, resume; unfinished answers continue under the new weights - partial rollouts);
 5. metrics (staleness histogram, partial rollouts, event counters of both managers), one line per
    trained answer in ``trajectories.jsonl`` (its per-version token spans), checkpoints.
 
@@ -31,13 +37,20 @@ objective of Hilton et al. (2022, "Batch size-invariance for policy optimization
 (as AReaL and verl's TIS). Without ``algorithm.tis_cap`` async mode uses ``C =``
 :data:`DEFAULT_ASYNC_TIS_CAP`. Replayed answers have no behaviour log-probs: weight 1.
 
+**Evaluation and prompt filtering** need whole weights outside the learner group. Held-out evaluation
+(``eval.manifest``; nothing is built without it) runs in the driver on a whole-weight copy on the driver's
+device, refreshed from the shards the workers were last sent (as the sync Ray engine's ``eval_model``).
+Prompt filtering (``data.filter_samples``, a fresh run only) runs before the rollout workers start, in a
+one-off Ray task with a rollout worker's resources over the start weights (:func:`filter_on_worker`).
+
 **Checkpoints** (``checkpoint.save_every``) hold the learner (model, optimizer, scheduler), the prompt
 stream, the prompts drawn but not yet admitted, the replay pool, the whole trajectory manager (queue, partial
 answers with their tokens, versions and behaviour log-probs, scored answers waiting for their group) and the
-reward parts of those answers. A driver killed at any moment (SIGKILL) resumes from the newest checkpoint:
-its answers that were in flight are returned to the queue (:meth:`TrajectoryManager.reclaim`) and continue
-on new workers that first load the checkpoint's weights; ``trajectories.jsonl`` and ``metrics.jsonl`` are
-cut back to the checkpoint's step.
+reward parts of those answers; every learner rank writes its part, the driver's run state travels to them
+with the call. A driver killed at any moment (SIGKILL) takes its actors with it and resumes from the newest
+checkpoint: its answers that were in flight are returned to the queue (:meth:`TrajectoryManager.reclaim`)
+and continue on new workers that first load the checkpoint's weights; ``trajectories.jsonl`` and
+``metrics.jsonl`` are cut back to the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +90,8 @@ IDLE_SLEEP_S = 0.003
 @dataclass
 class AsyncRun:
     """What :func:`train_async` hands to its ``on_step`` callback after each update: the managers, the
-    learner and the output folder (tests use it to kill a worker by ``run.rollout.workers[i].pid()``)."""
+    learner group's proxy (:class:`keye.rl.ray_engine.RemoteLearner`: ``run.learner.pids()`` are the ranks'
+    processes) and the output folder (tests use it to kill a worker by ``run.rollout.workers[i].pid()``)."""
 
     rollout: RolloutManager
     trajectories: TrajectoryManager
@@ -150,10 +164,46 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
     ``max_staleness``, the event counters of both managers (``trajectory_events`` over the whole run,
     ``rollout_events`` this invocation) and ``step_end_times`` (seconds since the start of this invocation).
 
+    The learner is the Ray learner group (``rl.ray.learners`` ranks, ``train.strategy``; module doc); the
+    summary's ``strategy`` and ``learner_ranks`` say how it ran, ``world_size`` is the driver's (1).
+
     Raises:
         KeyeConfigError: a config this mode cannot run (rollout.engine other than local, several torch
-            processes, rl.max_staleness < 0) or a checkpoint of the synchronous loop.
+            processes, rl.max_staleness < 0, resources the cluster cannot place) or a checkpoint of the
+            synchronous loop.
     """
+    import ray
+
+    from keye.rl.ray_engine import EventLog, RaySession, RemoteLearner, connect
+    from keye.tiny import resolve_model_path
+    from keye.train import dist as kdist
+    from keye.train.rlep import validate
+
+    info = kdist.init_distributed(cfg.train.device)
+    _check(cfg, info.world_size)
+    validate(cfg, 1)
+    out_dir = Path(cfg.checkpoint.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rc = cfg.rl.ray
+    started_ray = connect(rc)
+    session = None
+    try:
+        # the learners' placement group only: rollout workers are started (and replaced) by the rollout
+        # manager as actors of their own, and the reward runs in the driver
+        session = RaySession(replace(rc, rollout_workers=0, reward_workers=0), EventLog(out_dir / "ray_events.jsonl"))
+        learner = RemoteLearner(session, cfg, resolve_model_path(cfg.model.path))
+        return _run(cfg, info, learner, stop_after=stop_after, on_step=on_step, answer_length=answer_length)
+    finally:
+        if session is not None:
+            session.close()
+        if started_ray:
+            ray.shutdown()
+
+
+def _run(cfg: Any, info: Any, learner: Any, *, stop_after: int | None,
+         on_step: Callable[[int, AsyncRun], None] | None,
+         answer_length: Callable[[str, int], int] | None) -> dict[str, Any]:
+    """The body of :func:`train_async` once Ray is connected and the learner group (``learner``) is up."""
     import ray
 
     from keye.processing.processor import KeyeProcessor
@@ -167,12 +217,10 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
         load_rl_prompts,
         set_scores,
     )
-    from keye.rl.learner import Learner
-    from keye.rl.ray_engine import connect
+    from keye.rl.rollout import load_weight_shards
     from keye.rl.sampling import group_signal, is_informative
     from keye.rl.stream_worker import RayRolloutWorker, StreamWorkerActor
     from keye.tiny import resolve_model_path
-    from keye.train import dist as kdist
     from keye.train.config import dump_config
     from keye.train.rlep import (
         PromptStream,
@@ -185,15 +233,10 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
         greedy_accuracy,
         policy_loss_kwargs,
         tree_enabled,
-        validate,
     )
     from keye.train.sft import MetricsWriter, list_checkpoints, prune_checkpoints
 
-    info = kdist.init_distributed(cfg.train.device)
-    _check(cfg, info.world_size)
-    validate(cfg, 1)
     out_dir = Path(cfg.checkpoint.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, out_dir / "config.yaml")
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
@@ -204,7 +247,6 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
     model_path = resolve_model_path(cfg.model.path)
     processor_path = resolve_model_path(cfg.model.processor or cfg.model.path)
     processor = KeyeProcessor.from_pretrained(processor_path)
-    learner = Learner(cfg, info, model_path=model_path)
     scorer = RewardScorer(RewardSpec.from_dict(cfg.reward.spec), pass_value=cfg.reward.pass_value)
     eval_scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"], "options": _reward_options(cfg.reward.spec)}),
                                pass_value=cfg.reward.pass_value)
@@ -231,6 +273,16 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
     if not prompts:
         raise KeyeConfigError(f"{cfg.data.manifest}: no RL prompts")
     eval_prompts: list[RLPrompt] = load_rl_prompts(cfg.eval.manifest)[: cfg.eval.limit] if cfg.eval.manifest else []
+    gpus = rc.rollout_gpus if rc.rollout_gpus is not None else (1.0 if ray.cluster_resources().get("GPU", 0) else 0.0)
+    threads = rc.torch_threads or max(1, int(rc.rollout_cpus))
+    eval_model = None
+    if eval_prompts:
+        from keye.model.keye_vl import KeyeVL
+
+        # the driver's whole-weight evaluation copy (the only weights it holds), refreshed before evaluating
+        eval_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
+                                            attn_implementation=cfg.model.attn_implementation)
+        eval_model = eval_model.to(info.device).eval().requires_grad_(False)
 
     state: dict[str, Any] = {"step": 0, "losses": [], "rewards": [], "pass_rates": [], "eval_curve": [],
                              "prompt_ids": None, "tokens": 0, "trained": 0, "staleness": {}, "partial": 0}
@@ -240,12 +292,11 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
         keep = set(resume_blob["prompt_ids"])
         prompts = [p for p in prompts if p.id in keep]
     elif cfg.data.filter_samples > 0:
-        from keye.rl import LocalRollout
-        from keye.train.rlep import _filter
-
-        engine = LocalRollout(learner.model, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k, max_batch_size=r.max_batch_size, seed=cfg.train.seed)
-        prompts = _filter(prompts, engine, scorer, cfg, info)
+        # the start weights are model.path's: a one-off task with a rollout worker's resources samples them
+        # max_calls=1: the task's process exits afterwards, releasing the model's memory
+        task = ray.remote(max_calls=1, num_cpus=rc.rollout_cpus, num_gpus=gpus)(filter_on_worker)
+        keep = set(ray.get(task.remote(cfg, str(model_path), str(processor_path), prompts, learner.dtype, threads)))
+        prompts = [p for p in prompts if p.id in keep]
         if not prompts:
             raise KeyeConfigError("prompt filtering kept no prompt (every accuracy was 0 or 1)")
     state["prompt_ids"] = [p.id for p in prompts] if cfg.data.filter_samples > 0 else None
@@ -274,16 +325,18 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
                  DEFAULT_ASYNC_TIS_CAP)
 
     # ------------------------------------------------------------------------------- workers
-    started_ray = connect(rc)
     actor_cls = ray.remote(StreamWorkerActor)
-    gpus = rc.rollout_gpus if rc.rollout_gpus is not None else (1.0 if ray.cluster_resources().get("GPU", 0) else 0.0)
-    threads = rc.torch_threads or max(1, int(rc.rollout_cpus))
     boot: dict[str, Any] = {"refs": None, "version": version}  # weights for workers built before the first push
     spawned = [0]
     pids: dict[int, int] = {}
 
+    # the object refs of the newest exported weights and their version (None: model.path's, version 0)
+    latest: dict[str, Any] = {"refs": None, "version": 0}
+
     def export_refs() -> list[Any]:
-        return [ray.put(shard) for shard in learner.export_weights(r.sync_bytes)]
+        # learner rank 0 streams the shards into the object store (owned by the driver), one put each
+        latest["refs"], latest["version"] = learner.export_refs(r.sync_bytes), version
+        return latest["refs"]
 
     def factory(i: int) -> RayRolloutWorker:
         spawned[0] += 1
@@ -359,10 +412,16 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
         bar = tqdm(total=cfg.train.steps, initial=state["step"], desc="async rlep" if m_replay else "async grpo",
                    dynamic_ncols=True)
 
+    eval_version = [0]  # the weight version the evaluation copy holds (model.path's: 0)
+
     def evaluate(step: int) -> None:
-        if not eval_prompts:
+        if eval_model is None:
             return
-        res = greedy_accuracy(learner.model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
+        if eval_version[0] != version:
+            refs = latest["refs"] if latest["version"] == version and latest["refs"] is not None else export_refs()
+            load_weight_shards(eval_model, (ray.get(ref) for ref in refs))
+            eval_version[0] = version
+        res = greedy_accuracy(eval_model, processor, eval_prompts, eval_scorer, max_new_tokens=cfg.eval.max_new_tokens,
                               batch_size=cfg.eval.batch_size, samples=cfg.eval.samples,
                               temperature=cfg.eval.temperature, seed=cfg.train.seed)
         state["eval_curve"].append({"step": step, **res})
@@ -544,8 +603,6 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
         metrics.close()
         for w in rm.workers if rm is not None else []:
             w.kill()
-        if started_ray:
-            ray.shutdown()
 
     summary = {
         "finished": finished_run,
@@ -563,6 +620,8 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
         "frozen_towers": learner.frozen,
         "world_size": 1,
         "strategy": learner.strategy,
+        "learner_ranks": len(learner.actors),
+        "learner_devices": list(learner.devices),
         "prompts": len(prompts),
         "param_checksum": learner.checksum(),
         "max_staleness": k,
@@ -577,6 +636,31 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
     if cfg.log.progress:
         print(format_summary(summary, out_dir))
     return summary
+
+
+def filter_on_worker(cfg: Any, model_path: str, processor_path: str, prompts: list[RLPrompt], dtype: str,
+                     threads: int) -> list[str]:
+    """The ids of the prompts ``data.filter_samples`` keeps (sampling accuracy in (0, 1)) under the weights at
+    ``model_path``, sampled as the synchronous loop's filter does (a :class:`~keye.rl.rollout.LocalRollout`
+    seeded with ``train.seed``, scored by ``reward.spec``). Meant to run as a Ray task with a rollout
+    worker's resources, so the driver never loads the model; callable in any process with one torch rank."""
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+    from keye.rewards import RewardSpec
+    from keye.rl import LocalRollout, RewardScorer
+    from keye.train import dist as kdist
+    from keye.train.rlep import _filter
+
+    torch.set_num_threads(int(threads))
+    info = kdist.init_distributed(cfg.train.device)  # no WORLD_SIZE here: one rank, picks the device
+    r = cfg.rollout
+    model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
+    model = model.to(info.device).eval().requires_grad_(False)
+    engine = LocalRollout(model, KeyeProcessor.from_pretrained(processor_path), max_new_tokens=r.max_new_tokens,
+                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_batch_size=r.max_batch_size,
+                          seed=cfg.train.seed)
+    scorer = RewardScorer(RewardSpec.from_dict(cfg.reward.spec), pass_value=cfg.reward.pass_value)
+    return [p.id for p in _filter(prompts, engine, scorer, cfg, info)]
 
 
 def _batch_done(kept: Sequence[Any], examined: set[int], target: int, cap: int | None) -> bool:
@@ -594,4 +678,4 @@ def _process(processor: Any, messages: list[dict[str, Any]], mode: str | None) -
                        processor.image_processor.config.merge_size)[0]
 
 
-__all__ = ["AsyncRun", "AsyncRunState", "DEFAULT_ASYNC_TIS_CAP", "train_async"]
+__all__ = ["AsyncRun", "AsyncRunState", "DEFAULT_ASYNC_TIS_CAP", "filter_on_worker", "train_async"]

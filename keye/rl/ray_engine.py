@@ -664,7 +664,9 @@ class RemoteLearner:
     loop uses, each call fanned out to every rank (all calls are collective on the actors).
 
     ``model`` / ``ref_model`` are :class:`RemoteModel` descriptions (``ref_model`` None without a reference
-    model); ``config``, ``frozen``, ``strategy``, ``sharded``, ``dtype`` are the ranks' values.
+    model); ``config``, ``frozen``, ``strategy``, ``sharded``, ``dtype`` are the ranks' values. Both
+    ``rl.mode`` s train with it: the synchronous loop through :func:`build_ray_components`, the asynchronous
+    one (:func:`keye.rl.async_loop.train_async`) directly, in a :class:`RaySession` of learner bundles only.
     """
 
     def __init__(self, session: RaySession, cfg: Any, model_path: Path):

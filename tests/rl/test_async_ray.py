@@ -1,6 +1,7 @@
 """Asynchronous RL on a local Ray cluster (keye.rl.async_loop): the staleness bound holds on every trained answer's
-recorded versions, answers continue across weight updates, a rollout worker killed by its pid loses nothing, and a
-driver killed with SIGKILL resumes from its checkpoint and trains the same number of answers."""
+recorded versions, answers continue across weight updates, a rollout worker killed by its pid loses nothing, a
+driver killed with SIGKILL resumes from its checkpoint and trains the same number of answers, and the learner is
+the Ray learner group (2 FSDP2 ranks train with no policy weights in the driver and match 1 rank)."""
 
 from __future__ import annotations
 
@@ -220,3 +221,101 @@ def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx,
     ev = summary["trajectory_events"]
     # the dropped groups were forgotten, not trained; and admission kept going past the first B groups
     assert ev["groups_consumed"] == sum(r["dynsample/dropped"] + r["groups_trained"] for r in rows) > B
+
+
+def _assert_released() -> None:
+    """The finished run's learner actors are gone and their placement group removed."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        live = [n for n in ray.util.list_named_actors() if n.startswith("keye-learner-")]
+        groups = [g["state"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not live and not groups:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"still held after the run: actors {live}, placement groups {groups}")
+
+
+def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(fx, cluster, tmp_path):
+    import gc
+
+    from keye.model.keye_vl import KeyeVL
+    from keye.rl.async_loop import train_async
+    from keye.rl.ray_engine import RemoteLearner
+
+    seen: list[dict] = []
+
+    def on_step(step, run):
+        """What the driver holds while the run goes on: the learner group's proxy, no model, no process group."""
+        seen.append({"remote": isinstance(run.learner, RemoteLearner), "pids": run.learner.pids(),
+                     # type(), not isinstance: isinstance warns on torch's deprecated module proxies
+                     "models": sum(type(o) is KeyeVL for o in gc.get_objects()),
+                     "dist": torch.distributed.is_initialized()})
+
+    out = tmp_path / "fsdp2"
+    summary = train_async(load_config(RLEPConfig, None, _overrides(
+        fx, out, "rollout.max_new_tokens=32", "train.steps=3", "rl.ray.learners=2", "train.strategy=fsdp2",
+        "rl.ray.learner_cpus=0.5")), on_step=on_step)
+    assert summary["finished"] and summary["steps"] == 3
+    assert summary["strategy"] == "fsdp2" and summary["learner_ranks"] == 2 and summary["world_size"] == 1
+    assert math.isfinite(summary["param_checksum"]) and all(math.isfinite(x) for x in summary["losses"])
+    _check_log(out, 3, K)
+    assert len(seen) == 3
+    for s in seen:
+        assert s["remote"] and s["models"] == 0 and not s["dist"], s
+        assert len(set(s["pids"])) == 2 and os.getpid() not in s["pids"]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "step_00000003" / "DONE").is_file()
+    _assert_released()
+
+
+def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, cluster, tmp_path):
+    """Two runs that differ only in the learner group (2 FSDP2 ranks vs 1 rank, strategy none) end with the
+    same parameters (max |difference| < 2e-5), the learner being world-invariant (keye/rl/learner.py).
+
+    Made deterministic so that both runs train the same samples: ``rl.max_staleness=0`` (every update waits
+    for its own B groups, all sampled by the weights being updated: no answer crosses an update), one rollout
+    worker (one sampling generator, seeded identically in both runs, sees the same requests in the same
+    order), and fixed answer lengths (``AnswerLengths`` with sigma 0: every answer of a batch ends on the same
+    token, so rows never leave a batch at a timing-dependent point). The sampled tokens then depend only on
+    the weights, which agree to float rounding."""
+    from safetensors.torch import load_file
+
+    from keye.rl.async_loop import train_async
+    from keye.rl.stream_worker import AnswerLengths
+
+    lengths = AnswerLengths(mu=math.log(16), sigma=0.0, max_tokens=16)
+    # held-out evaluation after every update: the driver's copy is refreshed from the learner group's shards
+    common = ("rollout.max_new_tokens=16", "rl.max_staleness=0", "train.steps=3", f"eval.manifest={fx['train']}",
+              "eval.limit=2", "eval.every=1", "eval.max_new_tokens=4")
+    one = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "one", *common)),
+                      answer_length=lengths)
+    two = train_async(load_config(RLEPConfig, None, _overrides(
+        fx, tmp_path / "two", *common, "rl.ray.learners=2", "train.strategy=fsdp2", "rl.ray.learner_cpus=0.5")),
+        answer_length=lengths)
+    assert one["finished"] and two["finished"]
+    assert (one["strategy"], one["learner_ranks"], two["strategy"], two["learner_ranks"]) == ("none", 1, "fsdp2", 2)
+    assert one["staleness"] == two["staleness"] == {0: 3 * B * G}
+    assert one["rewards"] == two["rewards"]
+    assert [e["step"] for e in one["eval_curve"]] == [0, 1, 2, 3] and one["eval_curve"] == two["eval_curve"]
+    assert two["losses"] == pytest.approx(one["losses"], abs=2e-5)
+    a = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    assert set(a) == set(b)
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst < 2e-5, f"max |2 FSDP2 learner ranks - 1 rank| = {worst:.3g}"
+    start = load_file(str(fx["ckpt"] / "model.safetensors"))
+    assert any(not torch.equal(a[k], start[k]) for k in a if k in start)  # it trained
+
+
+def test_prompt_filtering_runs_on_a_ray_task_and_reports_an_empty_question_set(fx, cluster, tmp_path):
+    """``data.filter_samples`` in async mode samples the start weights in a one-off Ray task (the driver holds
+    no policy); a random policy never answers correctly, so nothing is kept and the run fails with a typed
+    error after releasing its learner group."""
+    from keye.errors import KeyeConfigError
+    from keye.rl.async_loop import train_async
+
+    cfg = load_config(RLEPConfig, None, _overrides(fx, tmp_path / "f", "data.filter_samples=2",
+                                                    "rollout.max_new_tokens=3"))
+    with pytest.raises(KeyeConfigError, match="prompt filtering kept no prompt"):
+        train_async(cfg)
+    assert not (tmp_path / "f" / "trajectories.jsonl").exists()
+    _assert_released()
