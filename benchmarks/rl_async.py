@@ -2,14 +2,14 @@
 
 Part (a), measured on this machine: :func:`keye.rl.async_loop.train_async` on keye-tiny with a local Ray cluster
 (the rollout worker, a :class:`keye.rl.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
-learner in the driver with one torch thread), synchronous (``rl.max_staleness=0``: only the batch of the current
-weights is generated, so nothing is generated while the learner trains) vs asynchronous (``rl.max_staleness``
-``--staleness``: the next batch is generated during the update and unfinished answers continue under the new
-weights). Both run the same code, prompts, seeds and answer lengths; the lengths are long-tailed:
-:class:`keye.rl.stream_worker.AnswerLengths` (``--a-mu``, ``--a-sigma``, capped at ``--a-max-tokens``) forces
-each answer's length (EOS masked until then). Throughput is trained answers per second over the updates after
-``--a-warmup`` (worker start-up and first batches excluded), the median of ``--a-repeats`` runs of each mode,
-run alternately.
+learner group of one rank, ``rl.ray.learners=1``, in another with one torch thread), synchronous
+(``rl.max_staleness=0``: only the batch of the current weights is generated, so nothing is generated while the
+learner trains) vs asynchronous (``rl.max_staleness`` ``--staleness``: the next batch is generated during the
+update and unfinished answers continue under the new weights). Both run the same code, prompts, seeds and
+answer lengths; the lengths are long-tailed: :class:`keye.rl.stream_worker.AnswerLengths` (``--a-mu``,
+``--a-sigma``, capped at ``--a-max-tokens``) forces each answer's length (EOS masked until then). Throughput
+is trained answers per second over the updates after ``--a-warmup`` (worker start-up and first batches
+excluded), the median of ``--a-repeats`` runs of each mode, run alternately.
 
 Part (b), the simulated cluster: first measures keye-tiny's costs on this machine (one decode step of
 ``model.generate`` at batch 1 and 16, prefill per prompt token, forward + backward per training token and
@@ -132,8 +132,9 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
 
     Each run: ``steps`` updates of ``prompts`` x ``group`` answers whose lengths are forced by
     :class:`keye.rl.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
-    run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs when the
-    machine has them); the driver runs with one torch thread, the rollout actor with one."""
+    run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs: one for the
+    learner actor, one for the rollout actor, each with one torch thread; the driver only schedules and
+    scores)."""
     import ray
 
     from keye.rl.async_loop import train_async
@@ -240,7 +241,7 @@ def main() -> None:
         return
     print(f"measured on this machine: keye-tiny, {args.a_prompts} prompts x {args.a_group} answers per update, "
           f"forced lengths lognormal(mu={args.a_mu}, sigma={args.a_sigma}) capped at {args.a_max_tokens}; rollout "
-          f"worker in a Ray actor, learner in the driver (one torch thread each); {args.a_steps} updates per run, "
+          f"worker and learner (one rank) in Ray actors (one torch thread each); {args.a_steps} updates per run, "
           f"first {args.a_warmup} not timed; sync = staleness 0, async = staleness {args.staleness}")
     runs = measure_async_vs_sync(steps=args.a_steps, warmup=args.a_warmup, repeats=args.a_repeats,
                                  prompts=args.a_prompts, group=args.a_group, mu=args.a_mu, sigma=args.a_sigma,
