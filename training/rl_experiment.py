@@ -5,13 +5,15 @@ Both runs start from the same SFT checkpoint with the same seed, prompts and ste
 Steps, each skipped when its output already exists so an interrupted experiment resumes:
 
   1. the RL question set: the first ``--questions`` rows of ``data/synth/train.jsonl`` whose answer kind
-     is ``--kind`` (default numeric: keye-tiny answers the multiple-choice types with one constant letter,
-     so their rewards carry no signal)
+     is ``--kind`` (default all: keye-tiny answers multiple-choice questions with the option's text, scored
+     by the MMMU rule, so every type's reward carries signal; ``numeric`` was the default while keye-tiny
+     answered them with one constant letter)
   2. phase A: ``keye rlep collect`` samples ``--n`` answers per question from the SFT start and keeps
      the verified ones (the replay pool)
   3. the GRPO baseline run, then the RLEP run (each resumes from its own checkpoints)
   4. a paired final comparison: greedy and avg@``--final-samples`` answers of the start and both final
-     checkpoints on every held-out question (``final_comparison.json``)
+     checkpoints on every held-out question, each run against the start and RLEP against GRPO
+     (``final_comparison.json``, with the per-question table of every checkpoint)
   5. ``report.json`` and ``report.md`` in ``--out``: both held-out accuracy curves (greedy, and avg@k
      sampled when the configs set ``eval.samples``), the SFT start, the baseline's best and the first step
      at which RLEP reaches it
@@ -159,20 +161,27 @@ def final_comparison(policy: str, runs: dict[str, Path], test: Path, samples: in
         print(f"final comparison: {name} greedy {res['accuracy']:.3f} avg@{samples} {res['sampled_accuracy']:.3f}",
               flush=True)
     result = {"samples": samples, "n": len(prompts),
-              "paired": {k: paired(tables["start"], tables[k], kinds) for k in runs}}
+              "paired": {k: paired(tables["start"], tables[k], kinds) for k in runs},
+              # the question the RLEP paper asks: the runs against each other, on the same questions and seed
+              "versus": ({"rlep - grpo": paired(tables["grpo"], tables["rlep"], kinds)}
+                         if {"grpo", "rlep"} <= set(tables) else {}),
+              "per_question": tables}
     (out / "final_comparison.json").write_text(json.dumps(result, indent=2))
     return result
 
 
 def final_markdown(result: dict[str, Any]) -> str:
-    """The paired final comparison as a table: start -> run (difference +- standard error), in %."""
+    """The paired final comparison as a table: start -> run (difference +- standard error), in %; then,
+    when the result has them (``versus``), RLEP against GRPO as ``GRPO -> RLEP`` rows."""
     k = result["samples"]
     lines = [f"| run | questions | greedy % | avg@{k} % |", "|---|---|---|---|"]
-    for name, groups in result["paired"].items():
+    named = [(name.upper(), groups) for name, groups in result["paired"].items()]
+    named += [("RLEP vs GRPO (GRPO -> RLEP)", groups) for groups in result.get("versus", {}).values()]
+    for label, groups in named:
         for group, row in groups.items():
             cells = [f"{100 * row[m]['start']:.1f} -> {100 * row[m]['run']:.1f} ({100 * row[m]['diff']:+.1f} "
                      f"+- {100 * row[m]['se']:.1f})" for m in ("greedy", "sampled")]
-            lines.append(f"| {name.upper()} | {group} ({row['n']}) | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | {group} ({row['n']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -182,8 +191,8 @@ def main() -> int:
     ap.add_argument("--data", default="data/synth/train.jsonl", help="source of the RL questions")
     ap.add_argument("--test", default="data/synth/test.jsonl", help="held-out manifest for the curves")
     ap.add_argument("--questions", type=int, default=2000, help="RL questions (the first rows of --data of --kind)")
-    ap.add_argument("--kind", default="numeric", choices=["numeric", "mc", "all"],
-                    help="answer kind of the RL questions (numeric: the types keye-tiny reads from the video)")
+    ap.add_argument("--kind", default="all", choices=["numeric", "mc", "all"],
+                    help="answer kind of the RL questions")
     ap.add_argument("--n", type=int, default=8, help="answers sampled per question for the pool")
     ap.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: the configs')")
     ap.add_argument("--out", default="runs/rl_experiment")

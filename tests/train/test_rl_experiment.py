@@ -75,6 +75,8 @@ def test_paired_differences_and_standard_errors():
     assert p["mc"]["sampled"] == {"start": 1.0, "run": 1.0, "diff": 0.0, "se": 0.0}
     md = rl_experiment.final_markdown({"samples": 4, "n": 3, "paired": {"rlep": p}})
     assert "| RLEP | numeric (2) | 50.0 -> 50.0 (+0.0 +- 100.0) | 25.0 -> 62.5 (+37.5 +- 12.5) |" in md
+    md = rl_experiment.final_markdown({"samples": 4, "n": 3, "paired": {"rlep": p}, "versus": {"rlep - grpo": p}})
+    assert "| RLEP vs GRPO (GRPO -> RLEP) | numeric (2) | 50.0 -> 50.0 (+0.0 +- 100.0) |" in md
 
 
 def test_markdown_table_lists_every_step_of_both_runs():
@@ -113,6 +115,13 @@ def test_test_sized_experiment_runs_both_configs_from_one_start(tiny_ckpt, synth
     assert final["samples"] == 2 and set(final["paired"]) == {"grpo", "rlep"}
     assert final["paired"]["rlep"]["all"]["n"] == final["n"] == len(synth_set["test"].read_text().splitlines())
     assert "| RLEP | all (" in (out / "report.md").read_text()
+    # RLEP against GRPO, paired on the same questions, from the stored per-question tables
+    assert set(final["per_question"]) == {"start", "grpo", "rlep"}
+    assert final["versus"]["rlep - grpo"] == rl_experiment.paired(final["per_question"]["grpo"],
+                                                                 final["per_question"]["rlep"],
+                                                                 {r["id"]: r.get("answer_kind", "?") for r in
+                                                                  map(json.loads, synth_set["test"].read_text().splitlines())})
+    assert "| RLEP vs GRPO (GRPO -> RLEP) | all (" in (out / "report.md").read_text()
     grpo_cfg = (out / "grpo" / "config.yaml").read_text()
     rlep_cfg = (out / "rlep" / "config.yaml").read_text()
     assert "enabled: false" in grpo_cfg.split("replay:")[1].split("\n\n")[0].split("algorithm:")[0]
