@@ -100,10 +100,13 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
     from keye.rl.async_loop import train_async
     from keye.rl.stream_worker import AnswerLengths
 
-    # every answer exactly 200 tokens (EOS masked before): the next batch is still being generated when the
-    # learner's update ends, whatever the model samples
-    summary = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "a", "rollout.max_new_tokens=200")),
-                          answer_length=AnswerLengths(mu=math.log(200), sigma=0.0, max_tokens=200))
+    # every answer exactly 400 tokens (EOS masked before): the next batch is still being generated when the
+    # learner group's update ends, whatever the model samples (with 200 tokens an update of the learner actor
+    # on a loaded 2-core machine sometimes outlasted the whole next batch: no answer crossed an update); one
+    # micro-batch per update keeps the update short
+    summary = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "a", "rollout.max_new_tokens=400",
+                                                                   "algorithm.micro_batch_size=16")),
+                          answer_length=AnswerLengths(mu=math.log(400), sigma=0.0, max_tokens=400))
     assert summary["mode"] == "async" and summary["finished"] and summary["steps"] == 4
     lines = _check_log(tmp_path / "a", 4, K)
     assert summary["trained_trajectories"] == len(lines) == summary["trajectory_events"]["consumed"]
