@@ -174,10 +174,10 @@ def train_async(cfg: Any, stop_after: int | None = None, *, on_step: Callable[[i
     """
     import ray
 
+    from keye.rl.config import validate
     from keye.rl.ray_engine import EventLog, RaySession, RemoteLearner, connect
     from keye.tiny import resolve_model_path
     from keye.train import dist as kdist
-    from keye.train.rlep import validate
 
     info = kdist.init_distributed(cfg.train.device)
     _check(cfg, info.world_size)
@@ -217,23 +217,20 @@ def _run(cfg: Any, info: Any, learner: Any, *, stop_after: int | None,
         load_rl_prompts,
         set_scores,
     )
+    from keye.rl.batch import add_online as _add_online
+    from keye.rl.config import policy_loss_kwargs, tree_enabled
+    from keye.rl.config import reward_options as _reward_options
+    from keye.rl.evaluate import greedy_accuracy
+    from keye.rl.metrics import format_summary
+    from keye.rl.metrics import mean as _mean
+    from keye.rl.metrics import step_metrics as _step_metrics
     from keye.rl.rollout import load_weight_shards
     from keye.rl.sampling import group_signal, is_informative
+    from keye.rl.state import PromptStream
+    from keye.rl.state import step_seed as _step_seed
     from keye.rl.stream_worker import RayRolloutWorker, StreamWorkerActor
     from keye.tiny import resolve_model_path
     from keye.train.config import dump_config
-    from keye.train.rlep import (
-        PromptStream,
-        _add_online,
-        _mean,
-        _reward_options,
-        _step_metrics,
-        _step_seed,
-        format_summary,
-        greedy_accuracy,
-        policy_loss_kwargs,
-        tree_enabled,
-    )
     from keye.train.sft import MetricsWriter, list_checkpoints, prune_checkpoints
 
     out_dir = Path(cfg.checkpoint.out_dir)
@@ -648,8 +645,8 @@ def filter_on_worker(cfg: Any, model_path: str, processor_path: str, prompts: li
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
     from keye.rl import LocalRollout, RewardScorer
+    from keye.rl.state import filter_by_accuracy as _filter
     from keye.train import dist as kdist
-    from keye.train.rlep import _filter
 
     torch.set_num_threads(int(threads))
     info = kdist.init_distributed(cfg.train.device)  # no WORLD_SIZE here: one rank, picks the device

@@ -92,7 +92,7 @@ class AlgorithmSection:
     difficulty: Any = None  # None, a preset name (flat, mixed_up, solved_down) or [[pass_rate, scale], ...]
     mode_mix: dict[str, float] | None = None  # e.g. {think: 1, no_think: 1, auto: 1}; None = prompts as given
     # AutoThink mode-selection reward: each prompt -> linked auto / forced-think / forced-direct groups
-    # (keye/rl/autothink.py, docs/autothink.md); in-process loop only
+    # (keye/rl/autothink.py, docs/autothink.md); synchronous loops only (in process or rl.engine=ray)
     autothink: AutoThinkConfig = field(default_factory=AutoThinkConfig)
 
 
@@ -263,16 +263,18 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
 
 
 def _validate_autothink(cfg: RLEPConfig) -> None:
-    """``algorithm.autothink`` checks: its own ranges, the in-process engine, no ``mode_mix`` (the linked groups
-    fix every prompt's modes), and a length penalty below the accuracy gap (a correct reply always beats a
+    """``algorithm.autothink`` checks: its own ranges, a synchronous loop (in process or on Ray), no
+    ``mode_mix`` (the linked groups fix every prompt's modes), and a length penalty below the accuracy gap (a correct reply always beats a
     wrong one of the same format)."""
     from keye.rewards import RewardSpec
 
     at = cfg.algorithm.autothink
     at.check()
-    if cfg.rl.engine != "process":
-        raise KeyeConfigError("algorithm.autothink needs rl.engine=process for now (the Ray loops do not build the "
-                              "linked auto / think / direct groups)")
+    if cfg.rl.engine == "ray" and cfg.rl.mode != "sync":
+        # the synchronous Ray engine runs this module's loop (linked groups included) over Ray actors; the
+        # asynchronous loop streams single answers through its trajectory manager and has no linked groups
+        raise KeyeConfigError("algorithm.autothink runs with rl.engine=process or rl.engine=ray rl.mode=sync; the "
+                              "asynchronous loop (rl.mode=async) does not build the linked auto / think / direct groups")
     if cfg.algorithm.mode_mix is not None:
         raise KeyeConfigError("algorithm.autothink sets every prompt's modes (auto + forced /think + /no_think "
                               "groups); set algorithm.mode_mix to null")

@@ -1053,7 +1053,8 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any) 
             place.
     """
     from keye.model.keye_vl import KeyeVL
-    from keye.train.rlep import Components, _step_seed
+    from keye.rl.components import Components
+    from keye.rl.state import step_seed as _step_seed
 
     check_ray_config(cfg, info.world_size)
     rs = cfg.rl.ray

@@ -31,6 +31,8 @@ from keye.train.rlep import RLEPConfig, train
 from tests.rl import _ray_helpers
 from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
 from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - fixture used by name
+from tests.train.test_rlep_autothink import _cfg as _at_cfg
+from tests.train.test_rlep_autothink import at_set  # noqa: F401 - fixture used by name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -395,4 +397,23 @@ def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt,
     assert [r for r in _rows(run) if "loss" in r] == [r for r in _rows(tmp_path / "store") if "loss" in r]
     a, b = _weights(tmp_path / "store" / "final"), _weights(run / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_autothink_on_ray_equals_one_process(ray_cluster, tiny_ckpt, at_set, tmp_path):  # noqa: F811
+    """``algorithm.autothink`` on the synchronous Ray engine: the linked auto / /think / /no_think groups are
+    sampled by the rollout actor, scored by the reward actor and trained by the learner actor, with the same
+    samples, mode-selection rewards, recorded groups and final weights as the in-process run."""
+    from keye.rl.autothink import GroupLog
+
+    extra = ("train.steps=2", "algorithm.mini_batches=2", "reward.spec={rewards: [accuracy, format]}")
+    ref = train(_at_cfg(tiny_ckpt, at_set, tmp_path / "ref", *extra))
+    got = train(_at_cfg(tiny_ckpt, at_set, tmp_path / "ray", *extra, *RAY))
+    assert got["finished"] and got["steps"] == 2 and "engine: ray" in (tmp_path / "ray" / "config.yaml").read_text()
+    assert got["losses"] == ref["losses"] and got["rewards"] == ref["rewards"]
+    assert got["param_checksum"] == ref["param_checksum"]
+    rows = (tmp_path / "ray" / GroupLog.NAME).read_text()
+    assert rows == (tmp_path / "ref" / GroupLog.NAME).read_text() and rows.count("\n") == 4  # 2 steps x 2 questions
+    assert _rows(tmp_path / "ray") == _rows(tmp_path / "ref")
     _assert_released(ray_cluster)

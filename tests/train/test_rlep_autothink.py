@@ -58,8 +58,8 @@ def test_autothink_config_checks():
     cfg = load_config(RLEPConfig, REPO / "training/configs/tiny_synth_rlep.yaml", base)
     validate(cfg)
     assert cfg.algorithm.autothink.margin == 0.05 and not RLEPConfig().algorithm.autothink.enabled
-    for extra, msg in ((["rl.engine=ray"], "needs rl.engine=process"),
-                       (["rl.engine=ray", "rl.mode=async"], "needs rl.engine=process"),
+    validate(load_config(RLEPConfig, REPO / "training/configs/tiny_synth_rlep.yaml", base + ["rl.engine=ray"]))
+    for extra, msg in ((["rl.engine=ray", "rl.mode=async"], "rl.mode=async"),
                        (["algorithm.mode_mix={think: 1, auto: 1}"], "mode_mix"),
                        (["algorithm.autothink.length_penalty=1.0"], "accuracy gap"),
                        (["algorithm.autothink.margin=-0.1"], "algorithm.autothink.margin")):
