@@ -154,7 +154,7 @@ def rl_available() -> bool:
 def evaluate(checkpoint: Path, test: Path, modes: tuple[str, ...], *, max_new_tokens: int,
              batch_size: int, out: Path) -> dict[str, Any]:
     """Greedy answers of ``checkpoint`` to every question of the manifest ``test`` in each mode of
-    ``modes``, by ``keye eval synth --mode M`` (the product's evaluation: its prompts, scoring and per-mode
+    ``modes``, by ``keye eval synth --mode M`` run in this process (the product's evaluation: its prompts, scoring and per-mode
     records; each run's files stay in ``out/<mode>``, and a mode whose ``report.json`` exists is not run
     again). Returns ``{"checkpoint", "n", "records": [...]}``, one record per (question, mode): ``id``,
     ``question_type``, ``mode`` (requested), ``used`` (:func:`parse_response` mode of the reply),
@@ -163,6 +163,7 @@ def evaluate(checkpoint: Path, test: Path, modes: tuple[str, ...], *, max_new_to
     Raises:
         RuntimeError: an evaluation run whose files do not cover the same questions in every mode.
     """
+    from keye.cli import main as keye_main
     from keye.processing.chat import parse_response
 
     records = []
@@ -170,9 +171,11 @@ def evaluate(checkpoint: Path, test: Path, modes: tuple[str, ...], *, max_new_to
     for mode in modes:
         run_dir = out / mode
         if not (run_dir / "report.json").is_file():
-            run([sys.executable, "-m", "keye", "eval", "synth", "--model", str(checkpoint), "--data", str(test),
-                 "--mode", mode, "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size),
-                 "--out", str(run_dir)])
+            argv = ["eval", "synth", "--model", str(checkpoint), "--data", str(test), "--mode", mode,
+                    "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size), "--out", str(run_dir)]
+            print("+ keye", " ".join(argv), flush=True)
+            if keye_main(argv) != 0:  # in this process: a subprocess per mode would pay keye's import each time
+                raise RuntimeError(f"keye {' '.join(argv)} failed")
         preds = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines() if line]
         judged = {j["id"]: j["correct"] for j in map(json.loads, (run_dir / "judgements.jsonl").read_text().splitlines())}
         thought = {m["id"]: m["thought"] for m in map(json.loads, (run_dir / "modes.jsonl").read_text().splitlines())}
