@@ -97,16 +97,24 @@ def _check_log(out: Path, steps: int, k: int) -> list[dict]:
 
 
 def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_updates(fx, cluster, tmp_path):
+    # Answer lengths forced per question (EOS masked before): the first update's questions get 16 tokens, the
+    # other questions 400. Batches 0 and 1 are generated together (staleness 1); batch 0 ends after 16 tokens
+    # and its update (4 x 16 tokens) ends while batch 1 is a fraction into its 400, so batch 1's answers
+    # continue under the new weights whatever the machine's load. (With equal lengths for every answer the
+    # next batch's generation and an update took about the same time on a CPU, and whether an answer crossed
+    # an update depended on the load.) The first batch is the first B questions of the run's prompt stream.
+    from keye.rl import load_rl_prompts
     from keye.rl.async_loop import train_async
-    from keye.rl.stream_worker import AnswerLengths
+    from keye.rl.state import PromptStream
 
-    # every answer exactly 400 tokens (EOS masked before): the next batch is still being generated when the
-    # learner group's update ends, whatever the model samples (with 200 tokens an update of the learner actor
-    # on a loaded 2-core machine sometimes outlasted the whole next batch: no answer crossed an update); one
-    # micro-batch per update keeps the update short
+    first = {q.id for q in PromptStream(load_rl_prompts(fx["train"]), 0, 0, 1, True).draw(B)}
+
+    def length(prompt_id: str, sample: int) -> int:  # a local function: Ray pickles it by value
+        return 16 if prompt_id in first else 400
+
     summary = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "a", "rollout.max_new_tokens=400",
                                                                    "algorithm.micro_batch_size=16")),
-                          answer_length=AnswerLengths(mu=math.log(400), sigma=0.0, max_tokens=400))
+                          answer_length=length)
     assert summary["mode"] == "async" and summary["finished"] and summary["steps"] == 4
     lines = _check_log(tmp_path / "a", 4, K)
     assert summary["trained_trajectories"] == len(lines) == summary["trajectory_events"]["consumed"]
