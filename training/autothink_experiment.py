@@ -154,9 +154,9 @@ def rl_available() -> bool:
 def evaluate(checkpoint: Path, test: Path, modes: tuple[str, ...], *, max_new_tokens: int,
              batch_size: int, out: Path) -> dict[str, Any]:
     """Greedy answers of ``checkpoint`` to every question of the manifest ``test`` in each mode of
-    ``modes``, by ``keye eval synth --mode M`` run in this process (the product's evaluation: its prompts, scoring and per-mode
-    records; each run's files stay in ``out/<mode>``, and a mode whose ``report.json`` exists is not run
-    again). Returns ``{"checkpoint", "n", "records": [...]}``, one record per (question, mode): ``id``,
+    ``modes``, by ``keye eval synth --mode M`` run in this process (the product's evaluation: its prompts,
+    scoring and per-mode records; each run's files stay in ``out/<mode>``, and a mode whose
+    ``report.json`` exists is not run again). Returns ``{"checkpoint", "n", "records": [...]}``, one record per (question, mode): ``id``,
     ``question_type``, ``mode`` (requested), ``used`` (:func:`parse_response` mode of the reply),
     ``thought`` (non-empty think block), ``tokens`` (generated, EOS included), ``correct`` and ``reply``.
 

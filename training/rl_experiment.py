@@ -113,7 +113,7 @@ def paired(start: dict[str, list[int]], run: dict[str, list[int]], kinds: dict[s
     """Paired change from the SFT start to a trained run, per question, overall and per answer kind.
 
     ``start`` / ``run`` map question id to ``[greedy passed, sampled passed, sampled n]`` (the
-    ``per_prompt`` table of :func:`keye.train.rlep.greedy_accuracy`, same questions and sampling seed).
+    ``per_prompt`` table of :func:`keye.rl.evaluate.greedy_accuracy`, same questions and sampling seed).
     For each group and each metric (``greedy``, ``sampled``) returns the start and run means and the mean
     per-question difference with its standard error (sample std / sqrt(n)).
     """

@@ -264,8 +264,8 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
 
 def _validate_autothink(cfg: RLEPConfig) -> None:
     """``algorithm.autothink`` checks: its own ranges, a synchronous loop (in process or on Ray), no
-    ``mode_mix`` (the linked groups fix every prompt's modes), and a length penalty below the accuracy gap (a correct reply always beats a
-    wrong one of the same format)."""
+    ``mode_mix`` (the linked groups fix every prompt's modes), and a length penalty below the accuracy gap
+    (a correct reply always beats a wrong one of the same format)."""
     from keye.rewards import RewardSpec
 
     at = cfg.algorithm.autothink
