@@ -28,6 +28,7 @@ from keye.rl.learner import Learner, UpdateResult
 from keye.rl.rollout import PromptInputs
 from keye.train.config import load_config
 from keye.train.rlep import RLEPConfig, train
+from tests.conftest import TORCH_THREADS
 from tests.rl import _ray_helpers
 from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
 from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - fixture used by name
@@ -39,10 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 # 2 steps x 2 PPO epochs x 2 mini-batches (the driver plans them), an intermediate checkpoint, held-out evaluation
 ARGS = ("train.steps=2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "checkpoint.save_every=1",
         "eval.max_new_tokens=3", "eval.limit=2")
-# small actors for a 2-CPU cluster; the same torch thread count as this process makes the CPU float reductions
-# (hence every number) identical to the in-process run
+# small actors for a 2-CPU cluster; the same torch thread count as the in-process runs (set per test by
+# tests/conftest.py, not read here at import, where OMP_NUM_THREADS would decide it) makes the CPU float
+# reductions, hence every number, identical
 RAY = ("rl.engine=ray", "rl.ray.learner_cpus=0.5", "rl.ray.rollout_cpus=0.5", "rl.ray.reward_cpus=0.25",
-       "rl.ray.reward_workers=1", "rl.ray.placement_timeout_s=60", f"rl.ray.torch_threads={torch.get_num_threads()}")
+       "rl.ray.reward_workers=1", "rl.ray.placement_timeout_s=60", f"rl.ray.torch_threads={TORCH_THREADS}")
 
 
 def _rows(run: Path) -> list[dict]:
