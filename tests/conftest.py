@@ -9,7 +9,6 @@ import torch
 
 from tests.paths import GOLDEN_PREVIEW
 
-
 # Every test runs with this many torch CPU threads (whatever OMP_NUM_THREADS says): tests that compare a run in
 # another process (a Ray actor, a subprocess) with one in this process give that process the same count, since
 # CPU float reductions depend on it.

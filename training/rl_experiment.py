@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -115,21 +114,27 @@ def paired(start: dict[str, list[int]], run: dict[str, list[int]], kinds: dict[s
     ``start`` / ``run`` map question id to ``[greedy passed, sampled passed, sampled n]`` (the
     ``per_prompt`` table of :func:`keye.rl.evaluate.greedy_accuracy`, same questions and sampling seed).
     For each group and each metric (``greedy``, ``sampled``) returns the start and run means and the mean
-    per-question difference with its standard error (sample std / sqrt(n)).
+    per-question difference with its standard error, as :func:`keye.eval.modes.paired_diff` computes them
+    (sample std / sqrt(n); ``se`` None for a group of one question).
     """
+    from keye.eval.modes import paired_diff
+
+    def greedy(table: dict[str, list[int]], ids: list[str]) -> list[dict[str, Any]]:
+        return [{"id": i, "correct": bool(table[i][0])} for i in ids]
+
+    def sampled(table: dict[str, list[int]], ids: list[str]) -> list[dict[str, Any]]:
+        # one record per sample (``<id>#s<k>``): paired_diff averages them into the question's pass rate
+        return [{"id": f"{i}#s{k}", "correct": k < table[i][1]} for i in ids for k in range(table[i][2])]
+
     out: dict[str, Any] = {}
     for group in ("all", *sorted(set(kinds.values()))):
         ids = [i for i in start if group == "all" or kinds.get(i) == group]
         if not ids:
             continue
         row: dict[str, Any] = {"n": len(ids)}
-        for metric, value in (("greedy", lambda t: float(t[0])), ("sampled", lambda t: t[1] / t[2])):
-            a = [value(start[i]) for i in ids]
-            d = [value(run[i]) - value(start[i]) for i in ids]
-            mean = sum(d) / len(d)
-            var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
-            row[metric] = {"start": sum(a) / len(a), "run": sum(a) / len(a) + mean, "diff": mean,
-                           "se": math.sqrt(var / len(d))}
+        for metric, records in (("greedy", greedy), ("sampled", sampled)):
+            d = paired_diff(records(run, ids), records(start, ids))
+            row[metric] = {"start": d["acc_b"], "run": d["acc_a"], "diff": d["diff"], "se": d["se"]}
         out[group] = row
     return out
 
@@ -170,6 +175,10 @@ def final_comparison(policy: str, runs: dict[str, Path], test: Path, samples: in
     return result
 
 
+def _pct(se: float | None) -> str:
+    return "n/a" if se is None else f"{100 * se:.1f}"
+
+
 def final_markdown(result: dict[str, Any]) -> str:
     """The paired final comparison as a table: start -> run (difference +- standard error), in %; then,
     when the result has them (``versus``), RLEP against GRPO as ``GRPO -> RLEP`` rows."""
@@ -180,7 +189,7 @@ def final_markdown(result: dict[str, Any]) -> str:
     for label, groups in named:
         for group, row in groups.items():
             cells = [f"{100 * row[m]['start']:.1f} -> {100 * row[m]['run']:.1f} ({100 * row[m]['diff']:+.1f} "
-                     f"+- {100 * row[m]['se']:.1f})" for m in ("greedy", "sampled")]
+                     f"+- {_pct(row[m]['se'])})" for m in ("greedy", "sampled")]
             lines.append(f"| {label} | {group} ({row['n']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

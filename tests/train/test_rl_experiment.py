@@ -72,7 +72,7 @@ def test_paired_differences_and_standard_errors():
     assert smp["diff"] == pytest.approx(0.25) and smp["se"] == pytest.approx((0.0625 / 3) ** 0.5)
     assert p["numeric"]["greedy"]["se"] == pytest.approx(1.0)
     assert p["numeric"]["sampled"]["diff"] == pytest.approx(0.375) and p["numeric"]["sampled"]["se"] == pytest.approx(0.125)
-    assert p["mc"]["sampled"] == {"start": 1.0, "run": 1.0, "diff": 0.0, "se": 0.0}
+    assert p["mc"]["sampled"] == {"start": 1.0, "run": 1.0, "diff": 0.0, "se": None}  # one question: no spread
     md = rl_experiment.final_markdown({"samples": 4, "n": 3, "paired": {"rlep": p}})
     assert "| RLEP | numeric (2) | 50.0 -> 50.0 (+0.0 +- 100.0) | 25.0 -> 62.5 (+37.5 +- 12.5) |" in md
     md = rl_experiment.final_markdown({"samples": 4, "n": 3, "paired": {"rlep": p}, "versus": {"rlep - grpo": p}})
