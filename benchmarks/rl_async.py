@@ -25,7 +25,9 @@ twenty-fold between runs, with one it varied by about a quarter.
 
 A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, and a what-if where a decode step
 costs the same for any number of answers (memory-bound decoding, as a large model on a GPU; the step is
-priced at the measured full-batch cost), which is not measured here. The last line gives both ratios:
+priced at the measured full-batch cost), which is not measured here. Each simulated ratio is shown with its
+ceiling (:func:`keye.rl.simulate.ceiling`), the most any schedule with that staleness could reach on that
+workload: at staleness 1 about 2x with memory-bound decoding. The last line gives both ratios:
 ``rl throughput async vs sync: measured X.XXx, simulated 64 GPUs Y.YYx``.
 
 Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
@@ -46,7 +48,7 @@ from pathlib import Path
 import torch
 
 import keye
-from keye.rl.simulate import ClusterConfig, compare
+from keye.rl.simulate import ClusterConfig, ceiling, compare
 
 
 def _best_of(fn, repeats: int = 5) -> float:
@@ -226,15 +228,19 @@ def main() -> None:
           f"{best.decode_busy * 100:.0f}% of device time; largest staleness used {best.max_staleness_seen}; "
           f"{best.partial} answers continued across a weight update, {best.preempted} preemptions)")
 
+    flat = replace(cfg, decode_step_s=cfg.decode_step_s + cfg.decode_token_s * per_gpu, decode_token_s=0.0)
+    print(f"  ceiling of any staleness-{args.staleness} schedule (keye.rl.simulate.ceiling): "
+          f"{ceiling(cfg, args.staleness, sync):.2f}x, reached only by knowing each answer's length before it starts; "
+          f"{ceiling(flat, args.staleness):.2f}x with memory-bound decoding (a step costing the same for any batch)")
     if not args.no_sweep:
-        flat = replace(cfg, decode_step_s=cfg.decode_step_s + cfg.decode_token_s * per_gpu, decode_token_s=0.0)
-        print("sweep (async / sync, best placement):")
+        print("sweep (async / sync, best placement; the ceiling in brackets):")
         for name, base in (("measured costs", cfg), ("what-if, decode step independent of batch", flat)):
             for sigma in (0.5, 1.0, 1.5):
                 row = []
                 for k in (1, 2):
-                    s, a = compare(replace(base, length_sigma=sigma), k)
-                    row.append(f"staleness {k}: {a.samples_per_s / s.samples_per_s:.2f}x")
+                    c = replace(base, length_sigma=sigma)
+                    s, a = compare(c, k)
+                    row.append(f"staleness {k}: {a.samples_per_s / s.samples_per_s:.2f}x ({ceiling(c, k, s):.2f}x)")
                 print(f"  {name}, sigma {sigma}: " + ", ".join(row))
     if args.no_measured:
         print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x")

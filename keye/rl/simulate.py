@@ -348,11 +348,49 @@ class _Sim:
 def compare(cfg: ClusterConfig, max_staleness: int = 1, train_gpus: list[int] | None = None
             ) -> tuple[SimResult, SimResult]:
     """Synchronous RL vs the best asynchronous placement with ``max_staleness``: colocated, or tagged with
-    each count in ``train_gpus`` (default: 1/8, 1/4, 3/8 and 1/2 of the GPUs). Returns ``(sync, async)``;
+    each count in ``train_gpus`` (default: 1/8, 2/8, ..., 7/8 of the GPUs and all but one). Returns ``(sync, async)``;
     ``async.samples_per_s / sync.samples_per_s`` is the speed-up."""
     sync = simulate(cfg, 0, "colocated")
     options = [simulate(cfg, max_staleness, "colocated")]
-    counts = train_gpus if train_gpus is not None else sorted({max(1, cfg.n_gpus * i // 8) for i in (1, 2, 3, 4)})
+    counts = train_gpus if train_gpus is not None else sorted(
+        {max(1, cfg.n_gpus * i // 8) for i in range(1, 8)} | {max(1, cfg.n_gpus - 1)})
     options += [simulate(cfg, max_staleness, "tagged", t) for t in counts]
     return sync, max(options, key=lambda r: r.samples_per_s)
 
+
+
+def ceiling(cfg: ClusterConfig, max_staleness: int, sync: SimResult | None = None) -> float:
+    """Upper bound on ``async / sync`` samples per second for **any** asynchronous schedule with staleness
+    ``k = max_staleness`` on this cluster and workload: the pipeline bound of docs/rl_async.md.
+
+    Batch ``v`` can start only when the weights of version ``v - k`` are live (an answer trained by update
+    ``v`` starts at most ``k`` versions earlier), and update ``v`` needs all of batch ``v``. So the ``k + 1``
+    update periods that end with update ``v`` contain the generation of batch ``v``'s longest answer, at least
+    ``T_v`` = its prompt's prefill plus ``L_v`` decode steps at the cheapest step cost (the answer alone on a
+    device), then update ``v`` on all devices (``U_v``) and its sync ``S``: ``(k + 1) P >= mean(T_v + U_v) +
+    S``; one period also holds one update: ``P >= mean(U_v) + S``. The bound is the synchronous run's
+    samples/s at the smallest such ``P`` over ``sync.samples_per_s`` (``sync``: ``simulate(cfg, 0)``, run
+    when not given). Means are over the timed updates (after ``warmup_steps``); the bound is asymptotic
+    (a finite run's first and last periods are not accounted separately).
+
+    A schedule reaches it only if it knows which answer is the longest before starting it (to give it a
+    device alone) and trains without slowing any answer; with a decode step that costs the same for any
+    number of answers (memory-bound decoding) the first condition is free and the bound is about ``k + 1``.
+    """
+    if max_staleness < 0:
+        raise KeyeConfigError(f"max_staleness must be >= 0, got {max_staleness}")
+    cfg.validate()
+    if sync is None:
+        sync = simulate(cfg, 0)
+    lengths = cfg.lengths(cfg.steps * cfg.batch_prompts)
+    gen, train = [], []
+    for b in range(cfg.warmup_steps, cfg.steps):
+        batch = lengths[b * cfg.batch_prompts:(b + 1) * cfg.batch_prompts]
+        gen.append(cfg.prefill_token_s * cfg.prompt_tokens
+                   + int(batch.max()) * (cfg.decode_step_s + cfg.decode_token_s))
+        tokens = int(batch.sum()) + batch.size * cfg.prompt_tokens
+        train.append(cfg.train_token_s * tokens / cfg.n_gpus + cfg.train_step_s)
+    mean_gen, mean_train = sum(gen) / len(gen), sum(train) / len(train)
+    period = max(mean_train + cfg.sync_s, (mean_gen + mean_train + cfg.sync_s) / (max_staleness + 1))
+    samples = cfg.batch_prompts * cfg.group_size
+    return samples / period / sync.samples_per_s

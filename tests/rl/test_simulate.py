@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from keye.errors import KeyeConfigError
-from keye.rl.simulate import ClusterConfig, compare, simulate
+from keye.rl.simulate import ClusterConfig, ceiling, compare, simulate
 
 SMALL = ClusterConfig(n_gpus=8, batch_prompts=8, group_size=4, steps=6, warmup_steps=1, length_mu=4.0,
                       length_sigma=1.0, max_tokens=512, prompt_tokens=32, max_concurrent=4, decode_step_s=0.01,
@@ -79,6 +79,29 @@ def test_staleness_bound_holds_and_async_has_partial_rollouts(k):
 def test_more_staleness_is_never_slower_here():
     rates = [simulate(SMALL, k).samples_per_s for k in (0, 1, 2)]
     assert rates == sorted(rates)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_placement_beats_the_pipeline_ceiling(seed):
+    """The bound of :func:`ceiling` holds for every placement and staleness, on long tails, on memory-bound
+    decoding (a step costs the same for any batch) and when training dominates."""
+    flat = replace(SMALL, decode_step_s=SMALL.decode_step_s + SMALL.max_concurrent * SMALL.decode_token_s,
+                   decode_token_s=0.0)
+    heavy = replace(SMALL, train_token_s=2e-3)
+    for name, base in (("tail", SMALL), ("flat", flat), ("heavy", heavy), ("sigma 1.5", replace(SMALL, length_sigma=1.5))):
+        cfg = replace(base, seed=seed, steps=10, warmup_steps=2)
+        sync = simulate(cfg, 0)
+        for k in (1, 2):
+            bound = ceiling(cfg, k, sync)
+            assert ceiling(cfg, k) == bound  # runs the synchronous simulation itself when not given
+            for placement, train in (("colocated", None), *(("tagged", t) for t in (1, 2, 4, 6, 7))):
+                ratio = simulate(cfg, k, placement, train).samples_per_s / sync.samples_per_s
+                assert ratio <= bound * 1.01, (name, k, placement, train, ratio, bound)  # 1 %: finite-run edges
+        if name == "flat":  # a step's cost does not depend on the batch: about k + 1
+            assert ceiling(cfg, 1, sync) == pytest.approx(2.0, rel=0.05)
+            assert ceiling(cfg, 2, sync) == pytest.approx(3.0, rel=0.05)
+    with pytest.raises(KeyeConfigError, match="max_staleness"):
+        ceiling(SMALL, -1)
 
 
 def test_deterministic_for_a_seed():
