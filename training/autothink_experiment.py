@@ -95,18 +95,20 @@ def reset_from(out: Path, stage: str) -> None:
 
 
 def make_data(out: Path, train: int, test: int, seed: int, test_seed: int, workers: int,
-              auto_labels: str = "type") -> None:
+              auto_labels: str = "type", extra_types: dict[str, float] | None = None) -> None:
     """The mode-tagged training rows (``train_modes.jsonl``, auto rows labelled by ``auto_labels``, see
     :func:`keye.data.synth.generate_split`) and the held-out test split (``test/test.jsonl`` from
     ``test_seed``; its labels are never trained on, so it keeps the default labelling and stays the same
-    held-out set whatever ``auto_labels``)."""
+    held-out set whatever ``auto_labels``). ``extra_types`` (opt-in question types and weights, e.g.
+    ``{"when_gap": 3.0}``) applies to both splits."""
     from keye.data.synth import generate_split
 
     data = out / "data"
-    generate_split(data, "train", train, seed=seed, workers=workers, modes=True, auto_labels=auto_labels)
-    generate_split(data / "test", "test", test, seed=test_seed, workers=workers, modes=True)
+    generate_split(data, "train", train, seed=seed, workers=workers, modes=True, auto_labels=auto_labels,
+                   extra_types=extra_types)
+    generate_split(data / "test", "test", test, seed=test_seed, workers=workers, modes=True, extra_types=extra_types)
     (data / "DONE").write_text(json.dumps({"train": train, "test": test, "seed": seed, "test_seed": test_seed,
-                                           "auto_labels": auto_labels}))
+                                           "auto_labels": auto_labels, "extra_types": extra_types}))
 
 
 def make_init(out: Path, policy: str) -> None:
@@ -318,11 +320,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto-labels", choices=("type", "mixed"), default="type",
                     help="the cold start's auto decisions: type (think on the stepwise types only) or mixed "
                          "(each sample 50/50, so both decisions are explored on every type)")
+    ap.add_argument("--extra-type", action="append", default=[], metavar="TYPE=WEIGHT",
+                    help="also draw an opt-in question type in both splits, e.g. when_gap=3 (a two-step question "
+                         "whose think trace writes the subtraction out); repeatable")
     ap.add_argument("--quick", action="store_true",
                     help="test-sized: 12 training samples, 6 questions, 2 SFT steps, 1 RL step")
     ap.add_argument("--from-stage", choices=STAGES, default=None, help="redo this stage and every later one")
     ap.add_argument("overrides", nargs="*", help="dot-list overrides of the RL run")
     args = ap.parse_args(argv)
+    from keye.data.cli import parse_type_weights
+
+    parse_type_weights(args.extra_type)  # a malformed TYPE=WEIGHT fails before any stage runs
     if args.quick:
         args.train, args.test, args.sft_steps, args.rl_steps, args.workers = 12, 6, 2, 1, 0
     out = Path(args.out)
@@ -349,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not skip("data"):
         s = time.perf_counter()
-        make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers, args.auto_labels)
-        mark("data", s, train=args.train, test=args.test, auto_labels=args.auto_labels)
+        extra = parse_type_weights(args.extra_type)
+        make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers, args.auto_labels, extra)
+        mark("data", s, train=args.train, test=args.test, auto_labels=args.auto_labels, extra_types=extra)
     if not skip("init"):
         s = time.perf_counter()
         make_init(out, args.policy)

@@ -49,6 +49,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--auto-labels", choices=("type", "mixed"), default="type",
                    help="with --modes, the auto rows' decisions: type (think on the stepwise question types "
                         "only) or mixed (each sample 50/50)")
+    p.add_argument("--extra-type", action="append", default=[], metavar="TYPE=WEIGHT",
+                   help="also draw an opt-in video question type with this weight (the defaults weigh 0.7-1), "
+                        "e.g. when_gap=3; repeatable")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -165,6 +168,23 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if rep.bad_rows else 0
 
 
+def parse_type_weights(items: list[str]) -> dict[str, float] | None:
+    """``["when_gap=3", ...]`` -> ``{"when_gap": 3.0}`` (None for no items); raises ``KeyeConfigError``
+    naming an item that is not ``TYPE=WEIGHT`` with a number."""
+    from keye.errors import KeyeConfigError
+
+    out = {}
+    for item in items:
+        name, sep, weight = item.partition("=")
+        try:
+            out[name.strip()] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise KeyeConfigError(f"--extra-type {item!r}: expected TYPE=WEIGHT, e.g. when_gap=3")
+    return out or None
+
+
 def _synth(args: argparse.Namespace) -> int:
     from keye.data.synth import generate
 
@@ -178,7 +198,7 @@ def _synth(args: argparse.Namespace) -> int:
         image_fraction=args.image_fraction,
         progress=not args.no_progress,
         warmup=args.warmup,
-        modes=args.modes, auto_labels=args.auto_labels,
+        modes=args.modes, auto_labels=args.auto_labels, extra_types=parse_type_weights(args.extra_type),
     )
     dt = time.perf_counter() - t0
     n = args.train + args.test

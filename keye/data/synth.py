@@ -20,7 +20,14 @@ when_collide   numeric the second at which two objects touch (they bounce apart)
 when_leave     numeric the second at which an object has fully left the frame
 detail         mc      shape of a tiny object shown for ~1 s (high-resolution key frame)
 position       mc      (image-only) whether one object is left or right of another
+when_gap       numeric (opt-in) how many whole seconds after one object the other appears
 ============== ======= ==================================================================
+
+Opt-in types (:data:`EXTRA_VIDEO_TYPES`, ``extra_types={"when_gap": w}``, ``keye data synth --extra-type
+when_gap=W``) are drawn only when asked for, with weight ``w`` beside the defaults' (each 0.7-1), so the
+default set is unchanged. ``when_gap`` is a two-step question: two appearance times, then their
+difference. Its think-mode trace writes the subtraction out (``"; 4.0 - 1.0 = 3.0"``), so it is the type on
+which writing the steps can help a small model (the AutoThink experiment's contrast).
 
 Event times sit on a 0.5 s grid (every fps used is a multiple of 2), so numeric "when" answers are exact
 at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) for lenient scoring.
@@ -100,10 +107,12 @@ VIDEO_TYPES: dict[str, float] = {
     "detail": 1.0,
 }
 IMAGE_TYPES: dict[str, float] = {"color": 1.0, "shape": 1.0, "count": 1.0, "position": 1.0}
+# Video question types drawn only when asked for by name (``extra_types``): the default set stays as it was.
+EXTRA_VIDEO_TYPES = frozenset({"when_gap"})
 SPLIT_CODES = {"train": 0, "test": 1, "warmup": 2}
 # Question types whose answer is read off a timeline or a list (a count, a comparison of appearance times,
 # the second of an event): the auto label thinks on these and answers the rest directly.
-THINK_TYPES = frozenset({"count", "order", "when_appear", "when_change", "when_collide", "when_leave"})
+THINK_TYPES = frozenset({"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap"})
 THINKING_MODES = ("think", "no_think", "auto")
 
 
@@ -425,6 +434,21 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
         events.append({"t": t_a, "event": "appear", "object": o.name})
         ans, kind, tol = f"{t_a:.1f}", "numeric", GRID
         text = f"At what time (in seconds) does the {o.name} appear? Answer with a number."
+    elif qtype == "when_gap":
+        # Two objects appear on whole seconds, the second 1..7 s after the first; both stay. The answer is
+        # the difference of two appearance times: a subtraction on top of two "when" readings.
+        duration = max(duration, 3.0)
+        pairs = _distinct_objects(rng, 2)
+        last = int(duration) - 1  # the later object is on screen for at least one second
+        t1 = float(rng.integers(0, last))
+        t2 = float(rng.integers(int(t1) + 1, last + 1))
+        first = static(*pairs[0], t_appear=t1)
+        second = static(*pairs[1], t_appear=t2)
+        events.append({"t": t1, "event": "appear", "object": first.name})
+        events.append({"t": t2, "event": "appear", "object": second.name})
+        ans, kind, tol = f"{t2 - t1:.1f}", "numeric", GRID
+        text = (f"How many seconds after the {first.name} appears does the {second.name} appear? "
+                "Answer with a number.")
     elif qtype == "detail":
         # A tiny shape (about 6% of the frame side) visible for 1 s among big distractors: the answer is in
         # the high-resolution detail of the few frames that show it.
@@ -522,6 +546,9 @@ def _conclusion(scene: Scene, target: str) -> str | None:
         return f"total {len(scene.objects)}"
     if q == "order":
         return f"first {target}"
+    if q == "when_gap":  # the two appearance times are in the caption; write the subtraction out
+        (t1, _), (t2, _) = sorted((e["t"], e["object"]) for e in scene.events if e["event"] == "appear")
+        return f"{t2:.1f} - {t1:.1f} = {t2 - t1:.1f}"
     ev = next((e for e in scene.events if e["event"] == {"when_appear": "appear", "when_change": "change",
                                                          "when_collide": "collide", "when_leave": "leave"}.get(q)),
               None)
@@ -650,21 +677,36 @@ def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fr
     }
 
 
+def _check_extra_types(extra_types: dict[str, float] | None) -> dict[str, float]:
+    extra = dict(extra_types or {})
+    for name, weight in extra.items():
+        if name not in EXTRA_VIDEO_TYPES:
+            raise KeyeConfigError(f"unknown extra question type {name!r} (opt-in types: "
+                                  f"{', '.join(sorted(EXTRA_VIDEO_TYPES))})")
+        if not (math.isfinite(weight) and weight > 0):
+            raise KeyeConfigError(f"extra question type {name!r} needs a weight > 0, got {weight}")
+    return extra
+
+
 def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
-                modes: bool = False, auto_labels: str = "type") -> dict[str, Any]:
+                modes: bool = False, auto_labels: str = "type",
+                extra_types: dict[str, float] | None = None) -> dict[str, Any]:
     """Render sample ``index`` of ``split`` into ``out_dir/media/<split>/`` and return its manifest row.
 
     The row's media path is relative to ``out_dir`` (the manifest root). With ``modes`` the row also has
     ``modes`` (:func:`mode_targets`) and ``auto_mode`` ("think" / "no_think", chosen by ``auto_labels``,
-    one of :data:`AUTO_LABELS`); the rest is identical.
+    one of :data:`AUTO_LABELS`); the rest is identical. ``extra_types`` adds opt-in video question types
+    (:data:`EXTRA_VIDEO_TYPES`) with their weights to the video types' table; without it the sample is
+    the default set's.
 
     Raises:
-        KeyeConfigError: unknown ``auto_labels``.
+        KeyeConfigError: unknown ``auto_labels`` or extra type, or an extra type's weight <= 0.
     """
     _check_auto_labels(auto_labels)
+    extra = _check_extra_types(extra_types)
     rng = sample_rng(seed, split, index)
     image = bool(rng.random() < image_fraction)
-    qtype = _weighted(rng, IMAGE_TYPES if image else VIDEO_TYPES)
+    qtype = _weighted(rng, IMAGE_TYPES if image else {**VIDEO_TYPES, **extra})
     scene = make_scene(rng, qtype, image)
     sid = f"{split}-{index:06d}"
     rel = Path("media") / split / (f"{index:06d}.png" if image else f"{index:06d}.mp4")
@@ -713,7 +755,7 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
     return row
 
 
-def _make_star(args: tuple[str, str, int, int, float, bool, str]) -> dict[str, Any]:
+def _make_star(args: tuple[str, str, int, int, float, bool, str, dict[str, float] | None]) -> dict[str, Any]:
     if args[1] == "warmup":
         return make_warmup_sample(*args[:5])
     return make_sample(*args)
@@ -731,6 +773,7 @@ def generate_split(
     chunksize: int = 8,
     modes: bool = False,
     auto_labels: str = "type",
+    extra_types: dict[str, float] | None = None,
 ) -> Path:
     """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``, plus
     ``out_dir/<split>_captions.jsonl`` (:func:`caption_rows`: one dense-caption row per sample, same media).
@@ -747,24 +790,28 @@ def generate_split(
             thinks on :data:`THINK_TYPES` only; ``"mixed"`` draws each sample's decision 50/50
             (:func:`mixed_auto_think`), so a model fine-tuned on the rows takes both decisions on every
             type (a cold start RL can still select from). The think and no_think rows are the same.
+        extra_types: opt-in video question types and their weights (:data:`EXTRA_VIDEO_TYPES`, e.g.
+            ``{"when_gap": 3.0}``); None (default) draws the default types only.
 
     Returns:
         The manifest path. Rows are in index order whatever the worker count.
 
     Raises:
-        KeyeConfigError: unknown split or ``auto_labels``, negative ``n`` or ``image_fraction`` outside [0, 1].
+        KeyeConfigError: unknown split, ``auto_labels`` or extra type, negative ``n`` or ``image_fraction``
+            outside [0, 1].
     """
     if split not in SPLIT_CODES:
         raise KeyeConfigError(f"unknown split {split!r} (expected one of {', '.join(SPLIT_CODES)})")
     if n < 0 or not 0.0 <= image_fraction <= 1.0:
         raise KeyeConfigError(f"need n >= 0 and 0 <= image_fraction <= 1, got n={n}, {image_fraction}")
     _check_auto_labels(auto_labels)
+    extra = _check_extra_types(extra_types) or None
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     modes = modes and split != "warmup"
-    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels) for i in range(n)]
+    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels, extra) for i in range(n)]
     workers = (os.cpu_count() or 1) if workers is None else workers
     bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
     if workers <= 0 or n <= 1:
@@ -795,15 +842,17 @@ def generate(
     warmup: int = 0,
     modes: bool = False,
     auto_labels: str = "type",
+    extra_types: dict[str, float] | None = None,
 ) -> dict[str, Path]:
     """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
     ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`; ``modes`` adds the
-    thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``)."""
+    thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``;
+    ``extra_types`` adds opt-in question types)."""
     splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
     return {
         split: generate_split(
             out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress,
-            modes=modes, auto_labels=auto_labels,
+            modes=modes, auto_labels=auto_labels, extra_types=extra_types,
         )
         for split, n in splits
     }

@@ -46,6 +46,51 @@ def test_when_appear_matches_pixels(tmp_path: Path, k: int):
     assert first / sc.fps == pytest.approx(float(sc.answer))
 
 
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_when_gap_matches_pixels(tmp_path: Path, k: int):
+    sc, frames = _scene_video("when_gap", k, tmp_path)
+    firsts = []
+    for ev in sc.events:
+        color = ev["object"].split()[0]
+        firsts.append(next(i for i, f in enumerate(frames) if _present(f, color)) / sc.fps)
+        assert firsts[-1] == pytest.approx(ev["t"]) and float(ev["t"]).is_integer()
+    assert firsts[1] - firsts[0] == pytest.approx(float(sc.answer)) and float(sc.answer) >= 1
+    assert sc.duration - firsts[1] >= 1  # the later object stays on screen for at least a second
+
+
+def test_extra_types_are_opt_in_and_checked(tmp_path: Path):
+    from keye.data.cli import parse_type_weights
+    from keye.errors import KeyeConfigError
+
+    plain = _rows(generate_split(tmp_path / "a", "train", 30, seed=4, workers=0, progress=False))
+    assert "when_gap" not in {r["question_type"] for r in plain}
+    gap = _rows(generate_split(tmp_path / "b", "train", 30, seed=4, workers=0, progress=False,
+                               extra_types={"when_gap": 50.0}))
+    kinds = [r["question_type"] for r in gap]
+    assert kinds.count("when_gap") >= 15  # weight 50 beside the defaults' ~10
+    assert all(r["answer_kind"] == "numeric" and r["tolerance"] == 0.5 for r in gap if r["question_type"] == "when_gap")
+    with pytest.raises(KeyeConfigError, match="unknown extra question type 'colour'"):
+        generate_split(tmp_path / "c", "train", 1, workers=0, progress=False, extra_types={"colour": 1.0})
+    with pytest.raises(KeyeConfigError, match="needs a weight > 0"):
+        generate_split(tmp_path / "c", "train", 1, workers=0, progress=False, extra_types={"when_gap": 0.0})
+    assert parse_type_weights(["when_gap=3"]) == {"when_gap": 3.0} and parse_type_weights([]) is None
+    for bad in ("when_gap", "when_gap=x", "=3"):
+        with pytest.raises(KeyeConfigError, match="expected TYPE=WEIGHT"):
+            parse_type_weights([bad])
+
+
+def test_cli_extra_type(tmp_path: Path):
+    from keye.cli import main
+
+    assert main(["data", "synth", "--out", str(tmp_path), "--train", "6", "--test", "0", "--seed", "4",
+                 "--workers", "0", "--no-progress", "--extra-type", "when_gap=100"]) == 0
+    assert {r["question_type"] for r in _rows(tmp_path / "train.jsonl")} >= {"when_gap"}
+
+
 @pytest.mark.parametrize("k", range(4))
 def test_when_change_matches_pixels(tmp_path: Path, k: int):
     sc, frames = _scene_video("when_change", k, tmp_path)

@@ -83,6 +83,18 @@ def test_when_trace_times_are_scene_times_and_end_on_the_answer(qtype):
         assert float(sc.answer) == pytest.approx(asked)
 
 
+def test_gap_trace_subtracts_the_two_appearance_times():
+    for sc, target in _scenes("when_gap", 40):
+        trace = reasoning_trace(sc, target)
+        listing, step = trace.split("; ")
+        first, second = sorted(sc.objects, key=lambda o: o.t_appear)
+        assert listing == f"{first.color} {first.shape} at {first.t_appear:.1f}, {second.color} {second.shape} at " \
+                          f"{second.t_appear:.1f}"
+        assert step == f"{second.t_appear:.1f} - {first.t_appear:.1f} = {target}"
+        assert float(target) == second.t_appear - first.t_appear and float(target).is_integer()
+        assert f"after the {first.color} {first.shape} appears does the {second.color} {second.shape}" in sc.question
+
+
 def test_order_trace_lists_candidate_times_and_names_the_first():
     for sc, target in _scenes("order", 40):
         trace = reasoning_trace(sc, target)
@@ -94,7 +106,7 @@ def test_order_trace_lists_candidate_times_and_names_the_first():
         assert listed == sorted(((f"{o.color} {o.shape}", o.t_appear) for o in sc.objects), key=lambda x: x[1])
 
 
-@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position"])
+@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position", "when_gap"])
 def test_three_formats_parse_as_their_modes(qtype):
     for sc, target in _scenes(qtype, 6, image=qtype == "position"):
         m = mode_targets(sc, target)
@@ -111,7 +123,7 @@ def test_three_formats_parse_as_their_modes(qtype):
 
 
 def test_direct_types_are_exactly_the_non_stepwise_ones():
-    assert THINK_TYPES == {"count", "order", "when_appear", "when_change", "when_collide", "when_leave"}
+    assert THINK_TYPES == {"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap"}
     for qtype in ("color", "shape", "direction", "detail", "color_change"):
         sc, target = next(_scenes(qtype, 1))
         assert mode_targets(sc, target)["auto"] == f"<analysis>/no_think</analysis>{target}"
