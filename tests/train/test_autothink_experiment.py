@@ -69,6 +69,18 @@ def test_paired_needs_the_same_questions():
         exp.paired({"a": True}, {"b": True})
 
 
+def test_extra_types_reach_both_splits(tmp_path):
+    exp.make_data(tmp_path, 10, 6, 0, 303, 0, "mixed", {"when_gap": 100.0})
+    data = tmp_path / "data"
+    for path in (data / "train.jsonl", data / "test" / "test.jsonl"):
+        kinds = [json.loads(x)["question_type"] for x in path.read_text().splitlines()]
+        assert kinds.count("when_gap") >= len(kinds) // 2, kinds  # weight 100 beside the defaults' ~10
+    assert json.loads((data / "DONE").read_text())["extra_types"] == {"when_gap": 100.0}
+    with pytest.raises(Exception, match="expected TYPE=WEIGHT"):
+        exp.main(["--quick", "--out", str(tmp_path / "bad"), "--extra-type", "when_gap"])
+    assert not (tmp_path / "bad" / "data").exists()  # rejected before any stage ran
+
+
 @pytest.mark.slow
 def test_quick_run_end_to_end_resumes_and_redoes_from_a_stage(tmp_path, capsys):
     out = tmp_path / "at"
