@@ -21,13 +21,16 @@ when_leave     numeric the second at which an object has fully left the frame
 detail         mc      shape of a tiny object shown for ~1 s (high-resolution key frame)
 position       mc      (image-only) whether one object is left or right of another
 when_gap       numeric (opt-in) how many whole seconds after one object the other appears
+when_sum       numeric (opt-in) the sum of the (whole-second) times at which three objects appear
 ============== ======= ==================================================================
 
 Opt-in types (:data:`EXTRA_VIDEO_TYPES`, ``extra_types={"when_gap": w}``, ``keye data synth --extra-type
 when_gap=W``) are drawn only when asked for, with weight ``w`` beside the defaults' (each 0.7-1), so the
 default set is unchanged. ``when_gap`` is a two-step question: two appearance times, then their
-difference. Its think-mode trace writes the subtraction out (``"; 4.0 - 1.0 = 3.0"``), so it is the type on
-which writing the steps can help a small model (the AutoThink experiment's contrast).
+difference; its think-mode trace writes the subtraction out (``"; 4.0 - 1.0 = 3.0"``). ``when_sum`` chains
+two additions over three appearance times (``"; 1.0 + 2.0 = 3.0; 3.0 + 4.0 = 7.0"``): answered directly it
+is a function of three perceived numbers, step by step two small additions. They are the AutoThink
+experiment's candidates for a type on which writing the steps helps a small model.
 
 Event times sit on a 0.5 s grid (every fps used is a multiple of 2), so numeric "when" answers are exact
 at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) for lenient scoring.
@@ -108,11 +111,12 @@ VIDEO_TYPES: dict[str, float] = {
 }
 IMAGE_TYPES: dict[str, float] = {"color": 1.0, "shape": 1.0, "count": 1.0, "position": 1.0}
 # Video question types drawn only when asked for by name (``extra_types``): the default set stays as it was.
-EXTRA_VIDEO_TYPES = frozenset({"when_gap"})
+EXTRA_VIDEO_TYPES = frozenset({"when_gap", "when_sum"})
 SPLIT_CODES = {"train": 0, "test": 1, "warmup": 2}
 # Question types whose answer is read off a timeline or a list (a count, a comparison of appearance times,
 # the second of an event): the auto label thinks on these and answers the rest directly.
-THINK_TYPES = frozenset({"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap"})
+THINK_TYPES = frozenset({"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap",
+                         "when_sum"})
 THINKING_MODES = ("think", "no_think", "auto")
 
 
@@ -449,6 +453,16 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
         ans, kind, tol = f"{t2 - t1:.1f}", "numeric", GRID
         text = (f"How many seconds after the {first.name} appears does the {second.name} appear? "
                 "Answer with a number.")
+    elif qtype == "when_sum":
+        # Three objects appear on whole seconds 0..4 (ties allowed) and stay at least two seconds; the answer
+        # adds the three times: two chained additions on top of three "when" readings.
+        duration = max(duration, 6.0)
+        times = [float(t) for t in rng.integers(0, 5, size=3)]
+        for (s_, c_), t_a in zip(_distinct_objects(rng, 3), times):
+            o = static(s_, c_, hi=r_crowd, t_appear=t_a)
+            events.append({"t": t_a, "event": "appear", "object": o.name})
+        ans, kind, tol = f"{sum(times):.1f}", "numeric", GRID
+        text = "What is the sum of the times (in seconds) at which the three shapes appear? Answer with a number."
     elif qtype == "detail":
         # A tiny shape (about 6% of the frame side) visible for 1 s among big distractors: the answer is in
         # the high-resolution detail of the few frames that show it.
@@ -546,6 +560,9 @@ def _conclusion(scene: Scene, target: str) -> str | None:
         return f"total {len(scene.objects)}"
     if q == "order":
         return f"first {target}"
+    if q == "when_sum":  # the three appearance times are in the caption (in this order); add them up
+        t = sorted(float(o.t_appear) for o in scene.objects)
+        return f"{t[0]:.1f} + {t[1]:.1f} = {t[0] + t[1]:.1f}; {t[0] + t[1]:.1f} + {t[2]:.1f} = {sum(t):.1f}"
     if q == "when_gap":  # the two appearance times are in the caption; write the subtraction out
         (t1, _), (t2, _) = sorted((e["t"], e["object"]) for e in scene.events if e["event"] == "appear")
         return f"{t2:.1f} - {t1:.1f} = {t2 - t1:.1f}"

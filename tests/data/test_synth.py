@@ -62,12 +62,24 @@ def test_when_gap_matches_pixels(tmp_path: Path, k: int):
     assert sc.duration - firsts[1] >= 1  # the later object stays on screen for at least a second
 
 
+@pytest.mark.parametrize("k", range(3))
+def test_when_sum_matches_pixels(tmp_path: Path, k: int):
+    sc, frames = _scene_video("when_sum", k, tmp_path)
+    firsts = []
+    for ev in sc.events:
+        color = ev["object"].split()[0]
+        firsts.append(next(i for i, f in enumerate(frames) if _present(f, color)) / sc.fps)
+        assert firsts[-1] == pytest.approx(ev["t"])
+    assert len(firsts) == 3 and sum(firsts) == pytest.approx(float(sc.answer))
+    assert sc.duration - max(firsts) >= 2  # every shape stays on screen for at least two seconds
+
+
 def test_extra_types_are_opt_in_and_checked(tmp_path: Path):
     from keye.data.cli import parse_type_weights
     from keye.errors import KeyeConfigError
 
     plain = _rows(generate_split(tmp_path / "a", "train", 30, seed=4, workers=0, progress=False))
-    assert "when_gap" not in {r["question_type"] for r in plain}
+    assert not {"when_gap", "when_sum"} & {r["question_type"] for r in plain}
     gap = _rows(generate_split(tmp_path / "b", "train", 30, seed=4, workers=0, progress=False,
                                extra_types={"when_gap": 50.0}))
     kinds = [r["question_type"] for r in gap]

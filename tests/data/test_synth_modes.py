@@ -95,6 +95,18 @@ def test_gap_trace_subtracts_the_two_appearance_times():
         assert f"after the {first.color} {first.shape} appears does the {second.color} {second.shape}" in sc.question
 
 
+def test_sum_trace_adds_the_three_appearance_times_in_caption_order():
+    for sc, target in _scenes("when_sum", 40):
+        trace = reasoning_trace(sc, target)
+        listing, first_step, second_step = trace.split("; ")
+        objs = sorted(sc.objects, key=lambda o: (o.t_appear, o.x))
+        assert listing == ", ".join(f"{o.color} {o.shape} at {o.t_appear:.1f}" for o in objs)
+        a, b, c = (o.t_appear for o in objs)
+        assert first_step == f"{a:.1f} + {b:.1f} = {a + b:.1f}"
+        assert second_step == f"{a + b:.1f} + {c:.1f} = {target}" and float(target) == a + b + c
+        assert all(float(o.t_appear).is_integer() and 0 <= o.t_appear <= 4 for o in sc.objects)
+
+
 def test_order_trace_lists_candidate_times_and_names_the_first():
     for sc, target in _scenes("order", 40):
         trace = reasoning_trace(sc, target)
@@ -106,7 +118,7 @@ def test_order_trace_lists_candidate_times_and_names_the_first():
         assert listed == sorted(((f"{o.color} {o.shape}", o.t_appear) for o in sc.objects), key=lambda x: x[1])
 
 
-@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position", "when_gap"])
+@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position", "when_gap", "when_sum"])
 def test_three_formats_parse_as_their_modes(qtype):
     for sc, target in _scenes(qtype, 6, image=qtype == "position"):
         m = mode_targets(sc, target)
@@ -123,7 +135,8 @@ def test_three_formats_parse_as_their_modes(qtype):
 
 
 def test_direct_types_are_exactly_the_non_stepwise_ones():
-    assert THINK_TYPES == {"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap"}
+    assert THINK_TYPES == {"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap",
+                           "when_sum"}
     for qtype in ("color", "shape", "direction", "detail", "color_change"):
         sc, target = next(_scenes(qtype, 1))
         assert mode_targets(sc, target)["auto"] == f"<analysis>/no_think</analysis>{target}"
