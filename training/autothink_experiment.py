@@ -37,6 +37,8 @@ Usage:
   python training/autothink_experiment.py                       # the experiment, runs/autothink
   python training/autothink_experiment.py --quick --out /tmp/at # seconds: a few questions, 2 SFT steps
   python training/autothink_experiment.py --from-stage eval_sft # redo the evaluations and the report
+  python training/autothink_experiment.py --auto-labels mixed --extra-type when_sum=4 --out runs/autothink_sum
+                                                                # with a two-step type (docs/autothink.md)
 Extra ``key=value`` arguments are dot-list overrides of the RL run.
 """
 
