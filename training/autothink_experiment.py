@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from keye.data.cli import parse_type_weights
 
-    parse_type_weights(args.extra_type)  # a malformed TYPE=WEIGHT fails before any stage runs
+    extra = parse_type_weights(args.extra_type)  # a malformed TYPE=WEIGHT fails before any stage runs
     if args.quick:
         args.train, args.test, args.sft_steps, args.rl_steps, args.workers = 12, 6, 2, 1, 0
     out = Path(args.out)
@@ -359,7 +359,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if not skip("data"):
         s = time.perf_counter()
-        extra = parse_type_weights(args.extra_type)
         make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers, args.auto_labels, extra)
         mark("data", s, train=args.train, test=args.test, auto_labels=args.auto_labels, extra_types=extra)
     if not skip("init"):

@@ -348,15 +348,14 @@ class _Sim:
 def compare(cfg: ClusterConfig, max_staleness: int = 1, train_gpus: list[int] | None = None
             ) -> tuple[SimResult, SimResult]:
     """Synchronous RL vs the best asynchronous placement with ``max_staleness``: colocated, or tagged with
-    each count in ``train_gpus`` (default: 1/8, 2/8, ..., 7/8 of the GPUs and all but one). Returns ``(sync, async)``;
-    ``async.samples_per_s / sync.samples_per_s`` is the speed-up."""
+    each count in ``train_gpus`` (default: 1/8, 2/8, ..., 7/8 of the GPUs and all but one). Returns
+    ``(sync, async)``; ``async.samples_per_s / sync.samples_per_s`` is the speed-up."""
     sync = simulate(cfg, 0, "colocated")
     options = [simulate(cfg, max_staleness, "colocated")]
     counts = train_gpus if train_gpus is not None else sorted(
         {max(1, cfg.n_gpus * i // 8) for i in range(1, 8)} | {max(1, cfg.n_gpus - 1)})
     options += [simulate(cfg, max_staleness, "tagged", t) for t in counts]
     return sync, max(options, key=lambda r: r.samples_per_s)
-
 
 
 def ceiling(cfg: ClusterConfig, max_staleness: int, sync: SimResult | None = None) -> float:
