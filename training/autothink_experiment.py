@@ -160,9 +160,10 @@ def evaluate(checkpoint: Path, test: Path, modes: tuple[str, ...], *, max_new_to
     """Greedy answers of ``checkpoint`` to every question of the manifest ``test`` in each mode of
     ``modes``, by ``keye eval synth --mode M`` run in this process (the product's evaluation: its prompts,
     scoring and per-mode records; each run's files stay in ``out/<mode>``, and a mode whose
-    ``report.json`` exists is not run again). Returns ``{"checkpoint", "n", "records": [...]}``, one record per (question, mode): ``id``,
-    ``question_type``, ``mode`` (requested), ``used`` (:func:`parse_response` mode of the reply),
-    ``thought`` (non-empty think block), ``tokens`` (generated, EOS included), ``correct`` and ``reply``.
+    ``report.json`` exists is not run again). Returns ``{"checkpoint", "n", "records": [...]}``, one record
+    per (question, mode): ``id``, ``question_type``, ``mode`` (requested), ``used`` (:func:`parse_response`
+    mode of the reply), ``thought`` (non-empty think block), ``tokens`` (generated, EOS included),
+    ``correct`` and ``reply``.
 
     Raises:
         RuntimeError: an evaluation run whose files do not cover the same questions in every mode.

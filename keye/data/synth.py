@@ -564,7 +564,7 @@ def _conclusion(scene: Scene, target: str) -> str | None:
         t = sorted(float(o.t_appear) for o in scene.objects)
         return f"{t[0]:.1f} + {t[1]:.1f} = {t[0] + t[1]:.1f}; {t[0] + t[1]:.1f} + {t[2]:.1f} = {sum(t):.1f}"
     if q == "when_gap":  # the two appearance times are in the caption; write the subtraction out
-        (t1, _), (t2, _) = sorted((e["t"], e["object"]) for e in scene.events if e["event"] == "appear")
+        t1, t2 = sorted(float(o.t_appear) for o in scene.objects)
         return f"{t2:.1f} - {t1:.1f} = {t2 - t1:.1f}"
     ev = next((e for e in scene.events if e["event"] == {"when_appear": "appear", "when_change": "change",
                                                          "when_collide": "collide", "when_leave": "leave"}.get(q)),

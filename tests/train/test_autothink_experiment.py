@@ -76,7 +76,9 @@ def test_extra_types_reach_both_splits(tmp_path):
         kinds = [json.loads(x)["question_type"] for x in path.read_text().splitlines()]
         assert kinds.count("when_gap") >= len(kinds) // 2, kinds  # weight 100 beside the defaults' ~10
     assert json.loads((data / "DONE").read_text())["extra_types"] == {"when_gap": 100.0}
-    with pytest.raises(Exception, match="expected TYPE=WEIGHT"):
+    from keye.errors import KeyeConfigError
+
+    with pytest.raises(KeyeConfigError, match="expected TYPE=WEIGHT"):
         exp.main(["--quick", "--out", str(tmp_path / "bad"), "--extra-type", "when_gap"])
     assert not (tmp_path / "bad" / "data").exists()  # rejected before any stage ran
 
