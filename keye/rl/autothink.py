@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,6 +198,90 @@ def mode_selection_rewards(auto: Sequence[Reply], think: Sequence[Reply], direct
         fp = 0.0 if ok else cfg.format_penalty
         out.auto.append(AutoReplyScore(float(r.reward) + bonus - lp - fp, d, ok, bonus, lp, fp))
     return out
+
+
+def _binom(n: int, p: float) -> list[float]:
+    return [math.comb(n, k) * p ** k * (1.0 - p) ** (n - k) for k in range(n + 1)]
+
+
+def expected_decision_gap(p_think: float, p_direct: float, cfg: AutoThinkConfig, *, G: int = 4,
+                          think_share: float = 0.5, think_tokens: int = 40, direct_tokens: int = 12,
+                          length_scale: int | None = None, accuracy: float = 1.0) -> float:
+    """What the reward pays for *choosing* to think: E[r | the auto reply thinks] - E[r | it answers directly].
+
+    Exact expectation (no sampling) of :func:`mode_selection_rewards` for one auto reply of a question whose true
+    pass rates are ``p_think`` / ``p_direct``, over everything the reward's estimates see: ``cfg.think_samples`` /
+    ``cfg.direct_samples`` forced replies, the reply's own outcome and the ``G - 1`` other auto replies, each
+    thinking with probability ``think_share`` (pooled into the estimates when ``cfg.include_auto``). Replies are
+    well formed, thinking replies are ``think_tokens`` long, direct ones ``direct_tokens``, and the base reward is
+    ``accuracy`` for a pass, 0 otherwise. The group baseline is the same for both choices, so the sign of the gap
+    is the sign of the policy-gradient push on the decision: positive, the loop teaches thinking on such questions.
+
+    Use it to check a config against a model before training: with the pass rates a model actually has under
+    rollout sampling, a negative gap everywhere means RL will teach it to answer directly everywhere
+    (docs/autothink.md, "What the reward can learn").
+
+    Raises:
+        KeyeConfigError: a probability outside [0, 1], ``G`` < 1, or no length scale.
+    """
+    cfg.check()
+    for name, v in (("p_think", p_think), ("p_direct", p_direct), ("think_share", think_share)):
+        if not 0.0 <= v <= 1.0:
+            raise KeyeConfigError(f"{name} must be in [0, 1], got {v}")
+    if G < 1:
+        raise KeyeConfigError(f"G must be >= 1, got {G}")
+    scale = length_scale if length_scale is not None else cfg.length_scale
+    if scale is None or scale < 1:
+        raise KeyeConfigError(f"length_scale must be >= 1 tokens, got {scale}")
+    pen = cfg.length_penalty * min(1.0, max(0, think_tokens - cfg.length_budget) / scale)
+    forced_t, forced_d = _binom(cfg.think_samples, p_think), _binom(cfg.direct_samples, p_direct)
+    # the other auto replies: a of them think, j of those pass, k of the G-1-a direct ones pass
+    others = [(pa * pj * pk, a, j, k)
+              for a, pa in enumerate(_binom(G - 1, think_share) if cfg.include_auto else [1.0] + [0.0] * (G - 1))
+              for j, pj in enumerate(_binom(a, p_think)) for k, pk in enumerate(_binom(G - 1 - a, p_direct))]
+    value = {}
+    for choice, p_own in (("think", p_think), ("direct", p_direct)):
+        total = 0.0
+        for passed, p_pass in ((1, p_own), (0, 1.0 - p_own)):
+            if p_pass == 0.0:
+                continue
+            own_t, own_d = (1, 0) if choice == "think" else (0, 1)
+            for kt, pkt in enumerate(forced_t):
+                for kd, pkd in enumerate(forced_d):
+                    for po, a, j, k in others:
+                        w = p_pass * pkt * pkd * po
+                        if w == 0.0:
+                            continue
+                        auto_in = cfg.include_auto
+                        nt = cfg.think_samples + (a + own_t if auto_in else 0)
+                        nd = cfg.direct_samples + (G - 1 - a + own_d if auto_in else 0)
+                        st = kt + (j + own_t * passed if auto_in else 0)
+                        sd = kd + (k + own_d * passed if auto_in else 0)
+                        r = accuracy * passed
+                        if nt and nd:
+                            prefer = "direct" if sd / nd >= st / nt - cfg.margin - _TIE else "think"
+                            r += cfg.mode_bonus if (passed and prefer == choice) else 0.0
+                            r -= pen if (prefer == "direct" and choice == "think") else 0.0
+                        total += w * r
+        value[choice] = total
+    return value["think"] - value["direct"]
+
+
+def break_even_edge(p_direct: float, cfg: AutoThinkConfig, *, tol: float = 1e-4, **kw: Any) -> float | None:
+    """The smallest ``p_think - p_direct`` at which :func:`expected_decision_gap` is >= 0 (the reward starts to
+    favour thinking), found by bisection on ``p_think`` in ``[p_direct, 1]``; ``kw`` as for
+    :func:`expected_decision_gap`. None when even ``p_think = 1`` does not make thinking pay; 0.0 when thinking
+    already pays at equal pass rates."""
+    gap = lambda pt: expected_decision_gap(pt, p_direct, cfg, **kw)  # noqa: E731
+    if gap(p_direct) >= 0:
+        return 0.0
+    if gap(1.0) < 0:
+        return None
+    lo, hi = p_direct, 1.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if gap(mid) >= 0 else (mid, hi)
+    return hi - p_direct
 
 
 # ------------------------------------------------------------------------------------- loop integration
@@ -457,6 +542,6 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["AutoReplyScore", "AutoThinkConfig", "GroupLog", "QuestionRewards", "ROLES", "ROLE_MODES", "Reply",
-           "decision_of", "expand", "finish_metrics", "flatten", "generate", "group_id", "group_signal",
+           "break_even_edge", "decision_of", "expand", "expected_decision_gap", "finish_metrics", "flatten", "generate", "group_id", "group_signal",
            "is_well_formed_auto", "link_groups", "metric_sums", "mode_selection_rewards", "question_records",
            "read_records", "replies_of", "role_of"]

@@ -5,6 +5,8 @@ Every expected reward is worked out by hand from the formula in docs/autothink.m
 from __future__ import annotations
 
 import itertools
+import math
+import random
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from keye.errors import KeyeConfigError, KeyeInputError
 from keye.rl.autothink import (
     AutoThinkConfig,
     Reply,
+    break_even_edge,
+    expected_decision_gap,
     finish_metrics,
     flatten,
     group_id,
@@ -285,3 +289,71 @@ def test_generate_links_three_groups_per_question(G, think_n, direct_n, n_calls)
     got = [(s.group, s.prompt.id, s.metadata["autothink_role"], s.prompt.mode, s.text) for s in out]
     assert got == expected
     assert prompts[0].mode is None  # the caller's prompts are not modified
+
+
+# ------------------------------------------------------------------ the expected decision gap (exact vs sampled)
+def _sampled_gap(pt: float, pd: float, cfg: AutoThinkConfig, *, G: int, q: float, trials: int,
+                 think_tokens: int, scale: int) -> tuple[float, float]:
+    """Monte Carlo of the same expectation through mode_selection_rewards itself: mean reward of the auto replies
+    that thought minus that of those that answered directly, and its standard error."""
+    rng = random.Random(7)
+    by: dict[str, list[float]] = {"think": [], "direct": []}
+    for _ in range(trials):
+        think = [Reply(FORCED_THINK, think_tokens, rng.random() < pt, 0.0) for _ in range(cfg.think_samples)]
+        direct = [Reply(FORCED_DIRECT, 2, rng.random() < pd, 0.0) for _ in range(cfg.direct_samples)]
+        auto = []
+        for _ in range(G):
+            thinks = rng.random() < q
+            ok = rng.random() < (pt if thinks else pd)
+            auto.append(Reply(THINK if thinks else DIRECT, think_tokens if thinks else 12, ok, float(ok)))
+        for a in mode_selection_rewards(auto, think, direct, cfg, length_scale=scale).auto:
+            by[a.decision].append(a.reward)
+    mean = {k: sum(v) / len(v) for k, v in by.items()}
+    var = {k: sum((x - mean[k]) ** 2 for x in v) / (len(v) - 1) / len(v) for k, v in by.items()}
+    return mean["think"] - mean["direct"], math.sqrt(var["think"] + var["direct"])
+
+
+@pytest.mark.parametrize("pt, pd, cfg", [
+    (0.44, 0.37, AutoThinkConfig(length_scale=32)),  # the defaults: thinking loses at a 7-point edge
+    (0.44, 0.37, AutoThinkConfig(length_scale=32, length_penalty=0.1, mode_bonus=1.0, think_samples=8,
+                                 direct_samples=8)),
+    (0.6, 0.2, AutoThinkConfig(length_scale=32, include_auto=False, margin=0.0)),
+    (0.9, 0.9, AutoThinkConfig(length_scale=32, length_budget=20, think_samples=2, direct_samples=6)),
+])
+def test_expected_decision_gap_equals_the_sampled_reward(pt, pd, cfg):
+    exact = expected_decision_gap(pt, pd, cfg, G=4, think_share=0.4, think_tokens=36)
+    sampled, se = _sampled_gap(pt, pd, cfg, G=4, q=0.4, trials=3000, think_tokens=36, scale=32)
+    assert abs(exact - sampled) < 4 * se + 1e-9, (exact, sampled, se)
+
+
+def test_expected_decision_gap_closed_forms():
+    # no bonus, no penalty: choosing a mode is worth exactly its pass rate
+    plain = AutoThinkConfig(length_scale=32, mode_bonus=0.0, length_penalty=0.0)
+    assert expected_decision_gap(0.7, 0.2, plain) == pytest.approx(0.5)
+    assert expected_decision_gap(0.7, 0.2, plain, accuracy=2.0) == pytest.approx(1.0)
+    # both modes always pass: direct is always preferred, so thinking loses the bonus and pays the full penalty
+    cfg = AutoThinkConfig(length_scale=32)
+    assert expected_decision_gap(1.0, 1.0, cfg, think_tokens=64) == pytest.approx(-cfg.mode_bonus - cfg.length_penalty)
+    # thinking always passes, direct never: thinking is always preferred and gets accuracy + bonus
+    assert expected_decision_gap(1.0, 0.0, cfg) == pytest.approx(1.0 + cfg.mode_bonus)
+
+
+def test_break_even_edge():
+    cfg = AutoThinkConfig(length_scale=32)
+    edge = break_even_edge(0.4, cfg, think_tokens=36)
+    assert 0.0 < edge < 0.6
+    assert expected_decision_gap(0.4 + edge, 0.4, cfg, think_tokens=36) >= 0
+    assert expected_decision_gap(0.4 + edge - 2e-3, 0.4, cfg, think_tokens=36) < 0
+    # a smaller penalty and a larger bonus make a smaller edge pay
+    cheap = AutoThinkConfig(length_scale=32, length_penalty=0.1, mode_bonus=1.0)
+    assert break_even_edge(0.4, cheap, think_tokens=36) < edge
+    # both modes sure to pass: thinking never pays; no penalty, no bonus: it pays at any positive edge
+    assert break_even_edge(1.0, cfg) is None
+    assert break_even_edge(0.4, AutoThinkConfig(length_scale=32, mode_bonus=0.0, length_penalty=0.0)) == 0.0
+    for bad in (dict(p_think=1.2, p_direct=0.4), dict(p_think=0.5, p_direct=-0.1)):
+        with pytest.raises(KeyeConfigError, match="must be in"):
+            expected_decision_gap(cfg=cfg, **bad)
+    with pytest.raises(KeyeConfigError, match="length_scale"):
+        expected_decision_gap(0.5, 0.5, AutoThinkConfig())
+    with pytest.raises(KeyeConfigError, match="G must be"):
+        expected_decision_gap(0.5, 0.5, cfg, G=0)
