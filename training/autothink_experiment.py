@@ -17,7 +17,8 @@ and runs them again):
             --mode M``, one run folder per mode in ``<out>/evals/sft``)
   rl        AutoThink RL (``keye train rlep --config training/configs/tiny_autothink_rl.yaml``,
             ``algorithm.autothink.enabled=true``) from the SFT checkpoint; skipped with a message while
-            ``keye.rl.autothink`` does not exist
+            ``keye.rl.autothink`` does not exist; by default on the SFT's own training questions, with
+            ``--rl-seed S`` on ``--rl-questions`` new ones drawn from seed S (``<out>/rl_data``)
   eval_rl   the held-out evaluation of the RL checkpoint
   report    ``<out>/report.json`` and a markdown table (printed and written to ``<out>/report.md``)
 
@@ -77,7 +78,7 @@ def stage_outputs(out: Path) -> dict[str, list[Path]]:
         "init": [out / "init" / "DONE", out / "init"],
         "sft": [out / "sft" / "final" / "model.safetensors", out / "sft"],
         "eval_sft": [out / "eval_sft.json", out / "evals" / "sft"],
-        "rl": [out / "rl" / "final" / "model.safetensors", out / "rl", out / "rl_skipped.json"],
+        "rl": [out / "rl" / "final" / "model.safetensors", out / "rl", out / "rl_skipped.json", out / "rl_data"],
         "eval_rl": [out / "eval_rl.json", out / "evals" / "rl"],
         "report": [out / "report.json", out / "report.md"],
     }
@@ -111,6 +112,20 @@ def make_data(out: Path, train: int, test: int, seed: int, test_seed: int, worke
     generate_split(data / "test", "test", test, seed=test_seed, workers=workers, modes=True, extra_types=extra_types)
     (data / "DONE").write_text(json.dumps({"train": train, "test": test, "seed": seed, "test_seed": test_seed,
                                            "auto_labels": auto_labels, "extra_types": extra_types}))
+
+
+def make_rl_data(out: Path, n: int, seed: int, workers: int, extra_types: dict[str, float] | None = None) -> Path:
+    """The RL questions when they come from their own seed (``--rl-seed``): ``n`` plain questions (no mode
+    rows; the synthetic ``train`` split of that seed) in ``<out>/rl_data/train.jsonl``, with the same ``extra_types`` as the other splits. Questions the SFT
+    never saw: on its own training questions the SFT checkpoint has partly memorised the direct answers, which
+    hides the advantage thinking has on new clips (docs/autothink.md). Reused when already complete."""
+    from keye.data.synth import generate_split
+
+    data = out / "rl_data"
+    if not (data / "DONE").is_file():
+        generate_split(data, "train", n, seed=seed, workers=workers, extra_types=extra_types)
+        (data / "DONE").write_text(json.dumps({"questions": n, "seed": seed, "extra_types": extra_types}))
+    return data / "train.jsonl"
 
 
 def make_init(out: Path, policy: str) -> None:
@@ -275,6 +290,7 @@ def markdown(results: dict[str, dict[str, Any]], n: int) -> str:
     """The README table: per checkpoint, each mode's accuracy / think rate / mean reply tokens, then auto
     against the better fixed mode and the think-rate split; then auto's think rate per question type."""
     pct = lambda v: "-" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
+    num = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731  (NaN: no reply of that kind)
     lines = [f"Held-out set: {n} questions (unseen seed), greedy.", "",
              "| checkpoint | mode | accuracy % | think rate % | mean reply tokens |", "|---|---|---|---|---|"]
     for name, res in results.items():
@@ -290,7 +306,7 @@ def markdown(results: dict[str, dict[str, Any]], n: int) -> str:
             res["auto_think_rate_where_it_does_not"]
         by = res["auto_mean_tokens_by_choice"]
         lines.append(f"| {name} | {100 * vs['diff']:+.1f} +- {100 * vs['se']:.1f} (vs {res['better_fixed_mode']}) | "
-                     f"{res['token_ratio_auto_over_think']:.2f} ({by['think']:.1f} / {by['direct']:.1f} tokens) | "
+                     f"{res['token_ratio_auto_over_think']:.2f} ({num(by['think'])} / {num(by['direct'])} tokens) | "
                      f"{pct(h['rate'])} (n={h['n']}) | {pct(o['rate'])} (n={o['n']}) |")
     last = list(results)[-1]
     res = results[last]
@@ -317,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-seed", type=int, default=303, help="held-out seed (never trained on)")
     ap.add_argument("--sft-steps", type=int, default=800, help="SFT steps (~3.4 epochs of the 4,500 rows)")
     ap.add_argument("--rl-steps", type=int, default=200, help="AutoThink RL steps (8 questions each)")
+    ap.add_argument("--rl-seed", type=int, default=None,
+                    help="draw the RL questions from this seed instead of the SFT's training questions")
+    ap.add_argument("--rl-questions", type=int, default=1500, help="RL questions drawn with --rl-seed")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="reply budget in evaluation and RL")
     ap.add_argument("--batch-size", type=int, default=25, help="questions per generation call in evaluation")
     ap.add_argument("--workers", type=int, default=1, help="processes rendering the clips")
@@ -334,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     from keye.data.cli import parse_type_weights
 
     extra = parse_type_weights(args.extra_type)  # a malformed TYPE=WEIGHT fails before any stage runs
+    if args.rl_seed is not None and args.rl_seed in (args.seed, args.test_seed):
+        ap.error(f"--rl-seed {args.rl_seed} must differ from --seed ({args.seed}) and --test-seed ({args.test_seed}): "
+                 "the RL questions are meant to be new to the SFT and the held-out set is never trained on")
+    if args.rl_questions < 1:
+        ap.error(f"--rl-questions must be >= 1, got {args.rl_questions}")
     if args.quick:
         args.train, args.test, args.sft_steps, args.rl_steps, args.workers = 12, 6, 2, 1, 0
+        args.rl_questions = min(args.rl_questions, 12)
     out = Path(args.out)
     if not out.is_absolute():
         out = REPO / out
@@ -383,12 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     if not skip("rl"):
         s = time.perf_counter()
         if rl_available():
+            rl_manifest = out / "data" / "train.jsonl"
+            if args.rl_seed is not None:
+                rl_manifest = make_rl_data(out, args.rl_questions, args.rl_seed, args.workers, extra)
             run([sys.executable, "-m", "keye", "train", "rlep", "--config", "training/configs/tiny_autothink_rl.yaml",
-                 f"model.path={out / 'sft' / 'final'}", f"data.manifest={out / 'data' / 'train.jsonl'}",
+                 f"model.path={out / 'sft' / 'final'}", f"data.manifest={rl_manifest}",
                  f"checkpoint.out_dir={out / 'rl'}", f"train.steps={args.rl_steps}",
                  f"rollout.max_new_tokens={args.max_new_tokens}",
                  *(["eval.manifest=null", "data.prompts_per_step=2"] if args.quick else []), *args.overrides])
-            mark("rl", s, steps=args.rl_steps)
+            mark("rl", s, steps=args.rl_steps, questions=str(rl_manifest.relative_to(out)), rl_seed=args.rl_seed)
         else:
             msg = "keye.rl.autothink is not available yet: AutoThink RL skipped (pending); post-SFT figures only"
             print(f"[rl] {msg}", flush=True)

@@ -62,6 +62,18 @@ def test_analyse_on_a_constructed_evaluation():
     assert "| count | 4 | +75.0 | 75.0 |" in md
 
 
+def test_markdown_when_auto_never_thinks():
+    ev = _eval()
+    for r in ev["records"]:
+        if r["mode"] == "auto":
+            r.update(thought=False, tokens=6)
+    res = exp.analyse(ev)
+    assert res["auto_think_rate_where_thinking_helps"]["rate"] == 0.0
+    assert not res["targets"]["auto_thinks_more_where_it_helps"]
+    md = exp.markdown({"after AutoThink RL": res}, 8)
+    assert "(- / 6.0 tokens)" in md and "nan" not in md
+
+
 def test_paired_needs_the_same_questions():
     assert exp.paired({"a": True, "b": False}, {"a": True, "b": True}) == pytest.approx(
         {"diff": -0.5, "se": math.sqrt(0.5 / 2), "n": 2})
@@ -81,6 +93,24 @@ def test_extra_types_reach_both_splits(tmp_path):
     with pytest.raises(KeyeConfigError, match="expected TYPE=WEIGHT"):
         exp.main(["--quick", "--out", str(tmp_path / "bad"), "--extra-type", "when_gap"])
     assert not (tmp_path / "bad" / "data").exists()  # rejected before any stage ran
+
+
+def test_rl_questions_from_their_own_seed(tmp_path):
+    exp.make_data(tmp_path, 8, 4, 0, 303, 0, "mixed", {"when_sum": 100.0})
+    path = exp.make_rl_data(tmp_path, 8, 505, 0, {"when_sum": 100.0})
+    assert path == tmp_path / "rl_data" / "train.jsonl"
+    rl = [json.loads(x) for x in path.read_text().splitlines()]
+    sft = [json.loads(x) for x in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
+    assert len(rl) == 8 and all("auto_mode" not in r for r in rl)  # plain questions, no mode rows
+    assert [r["meta"]["events"] for r in rl] != [r["meta"]["events"] for r in sft]  # other clips than the SFT's
+    assert sum(r["question_type"] == "when_sum" for r in rl) >= 4
+    stamp = path.stat().st_mtime_ns
+    assert exp.make_rl_data(tmp_path, 8, 505, 0, {"when_sum": 100.0}) == path  # complete: reused, not redrawn
+    assert path.stat().st_mtime_ns == stamp
+    for seed in ("0", "303"):  # the build seed's questions are the SFT's; the test seed's are held out
+        with pytest.raises(SystemExit):
+            exp.main(["--quick", "--out", str(tmp_path / "bad"), "--rl-seed", seed])
+    assert not (tmp_path / "bad" / "data").exists()
 
 
 @pytest.mark.slow
@@ -119,3 +149,12 @@ def test_quick_run_end_to_end_resumes_and_redoes_from_a_stage(tmp_path, capsys):
     assert (out / "eval_sft.json").stat().st_mtime_ns != mtimes[out / "eval_sft.json"]
     assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == \
         mtimes[out / "sft" / "final" / "model.safetensors"]
+
+    if exp.rl_available():  # RL again, on questions of a seed the SFT never saw
+        assert exp.main(["--quick", "--out", str(out), "--from-stage", "rl", "--rl-seed", "505"]) == 0
+        capsys.readouterr()
+        import yaml
+
+        cfg = yaml.safe_load((out / "rl" / "config.yaml").read_text())
+        assert cfg["data"]["manifest"] == str(out / "rl_data" / "train.jsonl")
+        assert json.loads((out / "stages.json").read_text())["rl"]["rl_seed"] == 505
