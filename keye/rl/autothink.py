@@ -21,6 +21,11 @@ total) plus
   analysis that names ``/think`` / ``/no_think`` and then does the other: :func:`keye.rewards.format.check_format`
   in ``auto`` mode).
 
+With ``explore`` > 0, that many of the ``G`` auto replies have their decision forced (half start with
+``think_prefix``, half with ``direct_prefix``: :attr:`keye.rl.rollout.RLPrompt.response_prefix`), so both decisions
+stay in every auto group (AdaptThink's balanced decision sampling) and the decision token keeps being compared
+after the policy has settled.
+
 Forced replies keep their ordinary reward and, with ``train_forced``, are trained as groups of their own (own
 advantage normalisation), so both modes stay trained. :func:`mode_selection_rewards` is the pure reward on
 plain :class:`Reply` records (unit-tested on constructed groups); :func:`link_groups`, :func:`group_signal`,
@@ -69,9 +74,21 @@ class AutoThinkConfig:
     include_auto: bool = True  # fresh auto replies join the pass-rate estimates by the mode they chose; ours
     train_forced: bool = True  # forced groups are trained too (Keye mix-mode RL keeps both modes trained)
     record: bool = True  # write every question's linked groups to <out_dir>/autothink_groups.jsonl
+    # Exploration of the decision (AdaptThink's balanced first-token sampling, arXiv 2505.13417 sec. 3.2): this
+    # many of the G auto replies have their decision forced, half by each prefix, so both decisions stay in
+    # every auto group however far the policy has moved. 0 = off; ours
+    explore: int = 0
+    think_prefix: str = "<analysis>/think</analysis>"  # the forced start of an explored thinking reply; ours
+    direct_prefix: str = "<analysis>/no_think</analysis>"  # the forced start of an explored direct reply; ours
 
     def check(self, where: str = "algorithm.autothink") -> None:
         """Raise :class:`KeyeConfigError` naming ``where.<field>`` for an out-of-range value."""
+        if self.explore < 0 or self.explore % 2:
+            raise KeyeConfigError(f"{where}.explore must be an even number >= 0 (half the explored auto replies "
+                                  f"think, half answer directly), got {self.explore}")
+        for name in ("think_prefix", "direct_prefix"):
+            if self.explore and not getattr(self, name):
+                raise KeyeConfigError(f"{where}.{name} must be a non-empty text when explore > 0")
         for name in ("think_samples", "direct_samples", "length_budget"):
             if getattr(self, name) < 0:
                 raise KeyeConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
@@ -304,22 +321,32 @@ def generate(engine: Any, prompts: Sequence[RLPrompt], G: int, cfg: AutoThinkCon
     Returns the samples ordered by group id (question, then role auto / think / direct), ``group`` set by
     :func:`group_id` and ``metadata["autothink_role"]`` set; deterministic for a seeded engine.
     """
+    if cfg.explore > G:
+        raise KeyeConfigError(f"algorithm.autothink.explore ({cfg.explore}) must be <= rollout.G ({G})")
     roles = expand(prompts)
-    counts = {"auto": G, "think": cfg.think_samples, "direct": cfg.direct_samples}
-    calls: dict[int, list[str]] = {}
-    for role in ROLES:
-        if counts[role] >= 1 and prompts:
-            calls.setdefault(counts[role], []).append(role)
+    half = cfg.explore // 2
+    # (role, forced decision, prompts, replies each): explored auto replies are auto prompts with a forced prefix
+    parts = [("auto", None, roles["auto"], G - cfg.explore),
+             ("auto", "think", [dataclasses.replace(p, response_prefix=cfg.think_prefix) for p in roles["auto"]], half),
+             ("auto", "direct", [dataclasses.replace(p, response_prefix=cfg.direct_prefix) for p in roles["auto"]], half),
+             ("think", None, roles["think"], cfg.think_samples), ("direct", None, roles["direct"], cfg.direct_samples)]
+    calls: dict[int, list[int]] = {}
+    for k, part in enumerate(parts):
+        if part[3] >= 1 and prompts:
+            calls.setdefault(part[3], []).append(k)
     out: list[RolloutSample] = []
     n = len(prompts)
-    for count, call_roles in calls.items():
-        batch = [p for role in call_roles for p in roles[role]]
+    for count, members in calls.items():
+        batch = [p for k in members for p in parts[k][2]]
         for s in engine.generate(batch, count):
-            role = call_roles[s.group // n]
+            role, forced = parts[members[s.group // n]][:2]
             s.group = group_id(s.group % n, role)
             s.metadata["autothink_role"] = role
+            if forced is not None:
+                s.metadata["autothink_forced"] = forced
             out.append(s)
-    out.sort(key=lambda s: s.group)  # stable: each group keeps the engine's sample order
+    # stable: each group keeps the engine's sample order (free auto replies before explored ones)
+    out.sort(key=lambda s: (s.group, s.metadata.get("autothink_forced") is not None))
     return out
 
 
@@ -415,7 +442,7 @@ def metric_sums(linked_groups: Sequence[Sequence[RolloutSample]]) -> dict[str, f
     :func:`finish_metrics`). Only fresh valid replies count."""
     keys = ("n_auto", "think", "passed", "tokens", "reward", "well_formed", "n_pref", "match", "q", "q_pt", "pt",
             "q_pd", "pd", "q_pref", "prefer_direct", "n_ft", "ft_passed", "ft_tokens", "n_fd", "fd_passed",
-            "fd_tokens")
+            "fd_tokens", "n_free", "free_think")
     sums = dict.fromkeys(keys, 0.0)
     for members in linked_groups:
         if not members:
@@ -443,6 +470,9 @@ def metric_sums(linked_groups: Sequence[Sequence[RolloutSample]]) -> dict[str, f
                 sums["tokens"] += s.num_tokens
                 sums["reward"] += float(s.reward)
                 sums["well_formed"] += bool(sc.get("well_formed"))
+                if s.metadata.get("autothink_forced") is None:  # a decision the policy took itself
+                    sums["n_free"] += 1
+                    sums["free_think"] += sc.get("decision") == "think"
                 if q.get("prefer") is not None:
                     sums["n_pref"] += 1
                     sums["match"] += sc.get("decision") == q["prefer"]
@@ -459,7 +489,8 @@ def finish_metrics(g: dict[str, float], prefix: str = "autothink/") -> dict[str,
     ``mean_reply_tokens``, ``reward``, ``format_ok`` over fresh auto replies; ``p_think`` / ``p_direct``
     (mean over questions of the estimates the reward used), ``prefer_direct`` (share of questions),
     ``mode_match`` (share of auto replies that chose the preferred mode), ``forced_think_accuracy`` /
-    ``forced_direct_accuracy`` and ``forced_*_tokens``. A metric without any reply or question is left out."""
+    ``forced_direct_accuracy`` and ``forced_*_tokens``; ``free_think_rate``: the think rate of the auto replies whose
+    decision was not forced by ``explore`` (the policy's own). A metric without any reply or question is left out."""
 
     def div(a: str, b: str) -> float | None:
         return g[a] / g[b] if g[b] else None
@@ -471,6 +502,7 @@ def finish_metrics(g: dict[str, float], prefix: str = "autothink/") -> dict[str,
         "p_think": div("pt", "q_pt"), "p_direct": div("pd", "q_pd"), "prefer_direct": div("prefer_direct", "q_pref"),
         "forced_think_accuracy": div("ft_passed", "n_ft"), "forced_think_tokens": div("ft_tokens", "n_ft"),
         "forced_direct_accuracy": div("fd_passed", "n_fd"), "forced_direct_tokens": div("fd_tokens", "n_fd"),
+        "free_think_rate": div("free_think", "n_free"),
     }
     return {f"{prefix}{k}": float(v) for k, v in vals.items() if v is not None}
 
@@ -488,7 +520,8 @@ def question_records(linked_groups: Sequence[Sequence[RolloutSample]], step: int
         for role in ROLES:
             row["groups"][role] = [
                 {"text": s.text, "mode": s.prompt.mode, "tokens": s.num_tokens, "passed": bool(s.passed), "valid": s.valid,
-                 "source": s.source, "base_reward": float(s.metadata.get("autothink_base_reward", s.reward or 0.0)),
+                 "source": s.source, "forced": s.metadata.get("autothink_forced"),
+                 "base_reward": float(s.metadata.get("autothink_base_reward", s.reward or 0.0)),
                  "reward": float(s.reward or 0.0)}
                 for s in members if role_of(s) == role]
         rows.append(row)

@@ -278,6 +278,9 @@ def _validate_autothink(cfg: RLEPConfig) -> None:
     if cfg.algorithm.mode_mix is not None:
         raise KeyeConfigError("algorithm.autothink sets every prompt's modes (auto + forced /think + /no_think "
                               "groups); set algorithm.mode_mix to null")
+    if at.explore > cfg.rollout.G:
+        raise KeyeConfigError(f"algorithm.autothink.explore ({at.explore}) must be <= rollout.G ({cfg.rollout.G}): "
+                              "it is the number of auto replies per question whose decision is forced")
     spec = RewardSpec.from_dict(cfg.reward.spec)
     gap = spec.accuracy * (2.0 if spec.accuracy_pm1 else 1.0)
     if spec.accuracy > 0 and at.length_penalty >= gap:

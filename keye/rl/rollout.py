@@ -13,6 +13,7 @@ log-probs of the distribution it was sampled from, for the truncated importance-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -39,7 +40,11 @@ class RLPrompt:
     ``id``: stable question id (replay pool key). ``messages``: the conversation (qwen-vl-utils form) up to
     the last user turn. ``reference`` / ``task``: what the reward checks against. ``mode``: thinking mode
     applied before processing (``"think"``, ``"no_think"``, ``"auto"`` or None = messages as given).
-    ``extra``: per-sample reward extras (``choices``, ``instructions``, ...).
+    ``extra``: per-sample reward extras (``choices``, ``instructions``, ...). ``response_prefix``: text forced at
+    the start of every response (an explored AutoThink decision, :mod:`keye.rl.autothink`): the engine
+    decodes after it, and it is part of the sample (its tokens lead ``response_ids`` and are trained, its text
+    leads ``text``, its ``rollout_logp`` is 0: the caller, not the model, chose it). ``max_new_tokens`` counts
+    the sampled tokens only.
     """
 
     id: str
@@ -48,6 +53,7 @@ class RLPrompt:
     task: str | None = None
     mode: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    response_prefix: str | None = None
 
 
 @dataclass
@@ -287,6 +293,20 @@ def load_weight_shards(model: torch.nn.Module, shards: Iterable[Mapping[str, tor
     return len(seen)
 
 
+def prefix_ids(processor: Any, prompt: RLPrompt) -> torch.Tensor | None:
+    """The token ids (int64 [k]) of ``prompt.response_prefix`` under ``processor``'s tokenizer, or None.
+
+    Raises:
+        KeyeInputError: a prefix that tokenizes to nothing (naming the prompt).
+    """
+    if prompt.response_prefix is None:
+        return None
+    ids = processor.tokenizer(prompt.response_prefix, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise KeyeInputError(f"prompt {prompt.id!r}: response_prefix {prompt.response_prefix!r} has no tokens")
+    return torch.tensor(ids, dtype=torch.long)
+
+
 class LocalRollout:
     """In-process batched sampling with the model's KV cache (CPU or GPU).
 
@@ -392,28 +412,35 @@ class LocalRollout:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
 
     def generate(self, prompts: Sequence[RLPrompt], n: int) -> list[RolloutSample]:
-        """Sample ``n`` responses per prompt; see :class:`RolloutEngine` for the order."""
+        """Sample ``n`` responses per prompt; see :class:`RolloutEngine` for the order. A prompt's
+        ``response_prefix`` is appended to its input for decoding and leads each of its responses."""
         if n < 1:
             raise KeyeConfigError(f"n (rollouts per prompt) must be >= 1, got {n}")
         if not prompts:
             return []
         inputs = self.prepare(prompts)
-        flat = [(i, inputs[i]) for i in range(len(prompts)) for _ in range(n)]
+        prefixes = [prefix_ids(self.processor, p) for p in prompts]
+        decode_in = [pin if pre is None else dataclasses.replace(pin, input_ids=torch.cat([pin.input_ids, pre]))
+                     for pin, pre in zip(inputs, prefixes)]
+        flat = [i for i in range(len(prompts)) for _ in range(n)]
         was_training = self.model.training
         self.model.eval()
         samples: list[RolloutSample] = []
         try:
             for s in range(0, len(flat), self.max_batch_size):
                 chunk = flat[s : s + self.max_batch_size]
-                toks, lps = self._decode([x for _, x in chunk])
+                toks, lps = self._decode([decode_in[i] for i in chunk])
                 lengths = response_lengths(toks, self.eos_ids)
-                for (i, pin), row, lp, k in zip(chunk, toks, lps, lengths.tolist()):
-                    ids = row[:k].clone()
+                for i, row, lp, k in zip(chunk, toks, lps, lengths.tolist()):
+                    ids, logp = row[:k].clone(), lp[:k].clone()
                     finished = bool(k > 0 and int(ids[-1]) in self.eos_ids)
+                    if prefixes[i] is not None:
+                        ids = torch.cat([prefixes[i], ids])
+                        logp = torch.cat([torch.zeros(len(prefixes[i]), dtype=logp.dtype), logp])
                     samples.append(RolloutSample(
-                        prompt=prompts[i], group=i, inputs=pin, response_ids=ids,
+                        prompt=prompts[i], group=i, inputs=inputs[i], response_ids=ids,
                         text=self.processor.decode(ids, skip_special_tokens=True), finished=finished,
-                        rollout_logp=lp[:k].clone(), metadata={"mode": prompts[i].mode},
+                        rollout_logp=logp, metadata={"mode": prompts[i].mode},
                     ))
         finally:
             self.model.train(was_training)
@@ -647,6 +674,10 @@ class VLLMRollout:
             return []
         convs, batch, inputs = self._process(prompts)
         reqs = [self._request(conv, [m for m in batch.video_meta if m.row == r]) for r, conv in enumerate(convs)]
+        prefixes = [prefix_ids(self.processor, p) for p in prompts]
+        for req, p in zip(reqs, prompts):
+            if p.response_prefix is not None:  # decoding continues after the forced text
+                req["prompt"] += p.response_prefix
         # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j, so a single seed shared
         # by every prompt would draw the same random stream for all of them.
         seeds = [_prompt_seed(self.seed + self._calls, i) for i in range(len(prompts))]
@@ -672,9 +703,14 @@ class VLLMRollout:
                                      f"asked for {n}")
             for comp in out.outputs:
                 ids = torch.tensor(list(comp.token_ids), dtype=torch.long)
+                text, logp = comp.text, _completion_logprobs(comp, prompts[i].id)
+                if prefixes[i] is not None:
+                    ids, text = torch.cat([prefixes[i], ids]), prompts[i].response_prefix + text
+                    if logp is not None:
+                        logp = torch.cat([torch.zeros(len(prefixes[i]), dtype=logp.dtype), logp])
                 samples.append(RolloutSample(
-                    prompt=prompts[i], group=i, inputs=inputs[i], response_ids=ids, text=comp.text,
-                    finished=comp.finish_reason == "stop", rollout_logp=_completion_logprobs(comp, prompts[i].id),
+                    prompt=prompts[i], group=i, inputs=inputs[i], response_ids=ids, text=text,
+                    finished=comp.finish_reason == "stop", rollout_logp=logp,
                     metadata={"mode": prompts[i].mode, "weight_version": self.weight_version, "engine_seed": seeds[i]},
                 ))
         return samples

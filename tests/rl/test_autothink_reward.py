@@ -267,7 +267,8 @@ class _Engine:
     def generate(self, prompts, n):
         self.calls.append(([(p.id, p.mode) for p in prompts], n))
         return [RolloutSample(prompt=p, group=i, inputs=PromptInputs(torch.tensor([1])), response_ids=torch.tensor([5]),
-                              text=f"{p.mode}{k}", finished=True) for i, p in enumerate(prompts) for k in range(n)]
+                              text=f"{p.response_prefix or ''}{p.mode}{k}", finished=True)
+                for i, p in enumerate(prompts) for k in range(n)]
 
 
 @pytest.mark.parametrize("G, think_n, direct_n, n_calls", [(2, 2, 2, 1), (2, 3, 2, 2), (3, 1, 0, 2), (1, 0, 0, 1)])
@@ -289,6 +290,47 @@ def test_generate_links_three_groups_per_question(G, think_n, direct_n, n_calls)
     got = [(s.group, s.prompt.id, s.metadata["autothink_role"], s.prompt.mode, s.text) for s in out]
     assert got == expected
     assert prompts[0].mode is None  # the caller's prompts are not modified
+
+
+def test_generate_explores_the_decision():
+    from keye.rl.autothink import generate
+
+    prompts = [RLPrompt(f"q{i}", [{"role": "user", "content": "How many?"}]) for i in range(2)]
+    engine = _Engine()
+    cfg = AutoThinkConfig(think_samples=2, direct_samples=2, explore=2, think_prefix="<T>", direct_prefix="<D>")
+    out = generate(engine, prompts, 4, cfg)
+    # 2 free auto replies + 1 forced each way: free auto, think and direct (2 each) share a call, the explored halves another
+    assert sorted(n for _, n in engine.calls) == [1, 2]
+    auto = [s for s in out if s.group == 0]
+    assert [s.text for s in auto] == ["auto0", "auto1", "<T>auto0", "<D>auto0"]
+    assert [s.metadata.get("autothink_forced") for s in auto] == [None, None, "think", "direct"]
+    assert all(s.prompt.response_prefix is None for s in out if s.metadata["autothink_role"] != "auto")
+    assert [s.group for s in out] == sorted(s.group for s in out) and len(out) == 2 * (4 + 2 + 2)
+    with pytest.raises(KeyeConfigError, match="explore"):
+        generate(engine, prompts, 1, cfg)  # more forced replies than G
+    for bad in (-2, 1, 3):
+        with pytest.raises(KeyeConfigError, match="algorithm.autothink.explore"):
+            AutoThinkConfig(explore=bad).check()
+    with pytest.raises(KeyeConfigError, match="think_prefix"):
+        AutoThinkConfig(explore=2, think_prefix="").check()
+
+
+def test_free_think_rate_counts_only_the_policys_own_decisions():
+    def sample(text, forced=None):
+        s = RolloutSample(prompt=RLPrompt("q", []), group=0, inputs=PromptInputs(torch.tensor([1])),
+                          response_ids=torch.tensor([5, 6]), text=text, finished=True, reward=1.0, passed=True)
+        s.metadata.update(autothink_role="auto", autothink={"decision": "think" if "<think>" in text else "direct",
+                                                             "well_formed": True})
+        if forced:
+            s.metadata["autothink_forced"] = forced
+        return s
+
+    members = [sample(DIRECT), sample(DIRECT), sample(THINK, "think"), sample(DIRECT, "direct")]
+    m = finish_metrics(metric_sums([members]))
+    assert m["autothink/think_rate"] == pytest.approx(1 / 4)
+    assert m["autothink/free_think_rate"] == 0.0
+    rows = question_records([members], step=3)
+    assert [r["forced"] for r in rows[0]["groups"]["auto"]] == [None, None, "think", "direct"]
 
 
 # ------------------------------------------------------------------ the expected decision gap (exact vs sampled)

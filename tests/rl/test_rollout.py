@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 import torch
 
-from keye.errors import KeyeConfigError
+from keye.errors import KeyeConfigError, KeyeInputError
 from keye.rl.logprobs import token_logprobs
 from keye.rl.rollout import LocalRollout, RLPrompt, VLLMRollout, collate_prompts, collate_samples, split_batch
 from tests.rl.conftest import image
@@ -232,3 +233,33 @@ def test_vllm_rollout_weight_version_and_engine_state(monkeypatch, tiny_model, r
         local.load_state_dict(vllm_engine.state_dict())
     vllm_engine.load_state_dict({"calls": 4})
     assert vllm_engine.state_dict() == {"calls": 4} and vllm_engine.weight_version == 7
+
+
+def test_response_prefix_is_forced_and_trained(tiny_model, rl_processor, rl_video):
+    """A forced response prefix leads every response (ids, text, rollout log-prob 0), and the tokens sampled after
+    it are the model's continuation of prompt + prefix: the training forward over the whole response scores them
+    exactly as the decoding did."""
+    prefix = "<think>one"
+    pre_ids = rl_processor.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    prompts = [dataclasses.replace(p, response_prefix=prefix) if i % 2 == 0 else p
+               for i, p in enumerate(_prompts(rl_video.path))]
+    engine = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, temperature=0.9, seed=4, eos_token_id=STOP_IDS)
+    samples = engine.generate(prompts, 2)
+    k = len(pre_ids)
+    for s in samples:
+        forced = s.prompt.response_prefix is not None
+        assert (s.response_ids[:k].tolist() == pre_ids) == forced
+        assert s.text.startswith(rl_processor.decode(torch.tensor(pre_ids))) or not forced
+        assert s.rollout_logp.shape == s.response_ids.shape
+        if forced:
+            assert torch.all(s.rollout_logp[:k] == 0) and 1 <= s.response_ids.numel() - k <= 5
+    batch = collate_samples(samples, rl_processor.pad_token_id)
+    with torch.no_grad():
+        out = token_logprobs(tiny_model, batch, batch["responses"], batch["response_attention"], temperature=0.9)
+    for b, s in enumerate(samples):
+        start = k if s.prompt.response_prefix is not None else 0
+        n = s.response_ids.numel()
+        torch.testing.assert_close(out.logp[b, start:n], s.rollout_logp[start:], atol=2e-4, rtol=1e-4)
+    bad = dataclasses.replace(prompts[1], response_prefix="")
+    with pytest.raises(KeyeInputError, match="response_prefix"):
+        engine.generate([bad], 1)

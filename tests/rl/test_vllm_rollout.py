@@ -7,6 +7,7 @@ bad syncs name the tensor; versions per generation."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -306,3 +307,26 @@ def test_a_bad_sync_names_the_tensor_and_a_partial_one_blocks_generation(fake, c
     engine.param_shapes = None
     with pytest.raises(KeyeInputError, match="There is no module or parameter named 'lm_head.wieght'"):
         engine.sync_weights({"lm_head.wieght": good["lm_head.weight"]})
+
+
+def test_response_prefix_continues_the_engine_prompt(fake, ckpts, rl_video):
+    """A forced response prefix is appended to the engine's prompt and leads the sample: its ids, its text, and
+    rollout log-prob 0 (chosen by the caller); the learner scores the sampled continuation as the engine did."""
+    fake.LLM.sampler = "model"
+    path = ckpts["preview"]
+    engine, llm = _engine(path, max_new_tokens=4, temperature=0.7, seed=5)
+    prefix = "<think>"
+    pre = engine.processor.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    prompts = [dataclasses.replace(p, response_prefix=prefix) for p in _prompts(rl_video.path)[:2]]
+    samples = engine.generate(prompts, 2)
+    for s in samples:
+        assert s.response_ids[: len(pre)].tolist() == pre and s.text.startswith(prefix)
+        assert torch.all(s.rollout_logp[: len(pre)] == 0) and s.rollout_logp.shape == s.response_ids.shape
+    assert llm.requests[-1]["prompt_token_ids"][-len(pre):] == pre  # decoding continued after the prefix
+    batch = collate_samples(samples, engine.processor.pad_token_id)
+    model = KeyeVL.from_pretrained(path, torch_dtype="float32")
+    att = batch["response_attention"].clone()
+    att[:, : len(pre)] = False  # the forced tokens were not sampled
+    with torch.no_grad():
+        learner = token_logprobs(model, batch, batch["responses"], batch["response_attention"], temperature=0.7).logp
+    torch.testing.assert_close(batch["rollout_logp"][att], learner[att], atol=2e-5, rtol=1e-5)

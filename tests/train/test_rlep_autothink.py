@@ -12,7 +12,7 @@ import pytest
 
 from keye.errors import KeyeConfigError
 from keye.rl import ReplayEntry, ReplayPool
-from keye.rl.autothink import ROLES, GroupLog, mode_selection_rewards, read_records, replies_of
+from keye.rl.autothink import ROLES, GroupLog, decision_of, mode_selection_rewards, read_records, replies_of
 from keye.train.config import load_config
 from keye.train.rlep import RLEPConfig, train, validate
 
@@ -129,6 +129,24 @@ def test_forced_groups_can_stay_out_of_the_update(tiny_ckpt, at_set, tmp_path):
     row = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines() if '"loss"' in x][0]
     assert row["replay_share"] == pytest.approx(M / (G + M))  # only the auto groups are trained
     assert "autothink/p_direct" in row  # the forced groups were still sampled for the estimates
+
+
+def test_explored_decisions_are_forced_trained_and_counted_apart(tiny_ckpt, at_set, tmp_path):
+    cfg = _cfg(tiny_ckpt, at_set, tmp_path / "run", "train.steps=1", "rollout.G=4", "algorithm.autothink.explore=2",
+               "algorithm.autothink.think_prefix=<think>", "algorithm.autothink.direct_prefix='Answer:'")
+    train(cfg)
+    records = read_records(tmp_path / "run" / GroupLog.NAME)
+    for row in records:
+        fresh = [x for x in row["groups"]["auto"] if x["source"] == "rollout"]
+        assert [x["forced"] for x in fresh] == [None, None, "think", "direct"]
+        assert fresh[-2]["text"].startswith("<think>") and fresh[-1]["text"].startswith("Answer:")
+        assert all(x["forced"] is None for role in ("think", "direct") for x in row["groups"][role])
+    row = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines() if '"loss"' in x][0]
+    free = [x for r in records for x in r["groups"]["auto"] if x["source"] == "rollout" and x["forced"] is None]
+    thinks = [decision_of(x["text"]) == "think" for x in free]
+    assert row["autothink/free_think_rate"] == pytest.approx(sum(thinks) / len(thinks))
+    with pytest.raises(KeyeConfigError, match="explore"):
+        validate(_cfg(tiny_ckpt, at_set, tmp_path / "bad", f"algorithm.autothink.explore={2 * G}"))
 
 
 @pytest.mark.slow
