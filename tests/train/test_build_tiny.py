@@ -64,6 +64,128 @@ def test_set_text_encoder_ignores_order_and_keeps_binding():
     assert not torch.allclose(one, rebound, atol=1e-3)  # red circle + blue square != red square + blue circle
 
 
+def test_shape_twin_changes_every_shape_and_nothing_else():
+    rng = np.random.default_rng(1)
+    for _ in range(80):
+        _, _, objs = see.sample_objects(rng)
+        twin = see.shape_twin(objs, rng)
+        assert [(o.color, o.size, o.x, o.y) for o in twin] == [(o.color, o.size, o.x, o.y) for o in objs]
+        assert all(a.shape != b.shape for a, b in zip(objs, twin))
+        coloured = [o.shape for o in twin if o.color != "white"]
+        assert len(set(coloured)) == len(coloured)  # a shape still names one coloured object
+
+
+def test_cell_of_is_the_3x3_grid_cell_row_major():
+    from keye.data.synth import Obj
+
+    assert see.cell_of(Obj("circle", "red", 5, 10, 10), 168, 112) == 0
+    assert see.cell_of(Obj("circle", "red", 5, 84, 56), 168, 112) == 4
+    assert see.cell_of(Obj("circle", "red", 5, 167.9, 111.9), 168, 112) == 8
+    assert see.cell_of(Obj("circle", "red", 5, 10, 111), 168, 112) == 6
+
+
+def test_set_text_encoder_with_positions_tells_places_apart():
+    torch.manual_seed(0)
+    enc = see.SetTextEncoder(7, 4, 16, 8, positions=True)
+    args = (torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([0, 0]), 1)
+    here = enc(*args, torch.tensor([0, 8]))
+    assert torch.allclose(here, enc(torch.tensor([1, 0]), torch.tensor([3, 2]), torch.tensor([0, 0]), 1,
+                                    torch.tensor([8, 0])), atol=1e-6)
+    assert not torch.allclose(here, enc(*args, torch.tensor([2, 8])), atol=1e-3)
+    with pytest.raises(ValueError, match="cells"):
+        enc(*args)
+
+
+def test_batches_with_twins_pair_each_image_with_its_shape_twin(tiny_init):
+    from keye.processing.processor import KeyeProcessor
+
+    batcher = see.Batcher(KeyeProcessor.from_pretrained(tiny_init), seed=3, twin_fraction=1.0)
+    b = batcher.batch(10)
+    assert b["n"] == 10 and int(b["owner"].max()) == 9 and len(b["grid_thw"]) == 10
+    for i in range(0, 10, 2):  # every image is followed by its twin: same colours and cells, other shapes
+        a, t = b["owner"] == i, b["owner"] == i + 1
+        assert torch.equal(b["colors"][a], b["colors"][t]) and torch.equal(b["cells"][a], b["cells"][t])
+        assert (b["shapes"][a] != b["shapes"][t]).all()
+        assert torch.equal(b["grid_thw"][i], b["grid_thw"][i + 1])
+    plain = see.Batcher(KeyeProcessor.from_pretrained(tiny_init), seed=3).batch(10)
+    assert not any(torch.equal(plain["colors"][plain["owner"] == i], plain["colors"][plain["owner"] == i + 1])
+                   for i in range(0, 10, 2))
+    with pytest.raises(ValueError, match="twin_fraction"):
+        see.pretrain_vision(tiny_init, tiny_init.parent / "bad", steps=1, twin_fraction=1.5)
+
+
+def test_object_map_matches_the_rendered_frame():
+    from keye.data.synth import BACKGROUND, COLORS, Scene, render_frame
+
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        w, h, objs = see.sample_objects(rng)
+        frame = render_frame(Scene(w, h, 0, 0.0, objs, "caption", "", "", "text"), 0.0)
+        idx = see.object_map(w, h, objs)
+        assert idx.shape == (h, w)
+        assert (frame[idx == -1] == np.asarray(BACKGROUND)).all()
+        for k, o in enumerate(objs):
+            assert (idx == k).any() and (frame[idx == k] == np.asarray(COLORS[o.color])).all()
+
+
+def test_token_targets_name_the_object_under_each_token():
+    from keye.data.synth import COLORS, SHAPES, Obj
+
+    colors, shapes = list(COLORS), list(SHAPES)
+    # a 112 x 112 frame, 4 x 4 merged tokens of 28 px: a red square over the middle four tokens, a blue
+    # circle filling the top-left token, a tiny green diamond covering < 10 % of the bottom-right one
+    objs = [Obj("square", "red", 28 / 0.85, 56, 56), Obj("circle", "blue", 13, 14, 14), Obj("diamond", "green", 3, 98, 98)]
+    t = see.token_targets(112, 112, objs, 4, 4, colors, shapes).reshape(4, 4, 2)
+    square, red = SHAPES.index("square"), colors.index("red")
+    assert all(tuple(t[i, j]) == (square, red) for i in (1, 2) for j in (1, 2))
+    assert tuple(t[0, 0]) == (SHAPES.index("circle"), colors.index("blue"))
+    assert tuple(t[3, 3]) == (len(shapes), len(colors))  # too little of it to name
+    assert tuple(t[0, 3]) == (len(shapes), len(colors))
+    # a wide frame, 2 x 3 tokens: the object's token follows the whole-frame resize
+    wide = see.token_targets(168, 112, [Obj("triangle", "white", 20, 140, 84)], 2, 3, colors, shapes).reshape(2, 3, 2)
+    assert tuple(wide[1, 2]) == (SHAPES.index("triangle"), colors.index("white"))
+    assert (wide.reshape(-1, 2)[:5] == [len(shapes), len(colors)]).all()
+    assert (see.token_targets(112, 112, [], 2, 2, colors, shapes) == [len(shapes), len(colors)]).all()
+
+
+def test_token_places_and_dense_heads():
+    places = see.token_places(2, 3)
+    assert np.allclose(places, [[0.25, 1 / 6], [0.25, 0.5], [0.25, 5 / 6], [0.75, 1 / 6], [0.75, 0.5], [0.75, 5 / 6]])
+    torch.manual_seed(0)
+    heads = see.DenseHeads(16, 7, 4)
+    feats = torch.randn(6, 16, requires_grad=True)
+    targets = torch.tensor([[4, 7]] * 5 + [[1, 2]])
+    loss = heads.loss(feats, targets, torch.from_numpy(places))
+    loss.backward()
+    assert loss.item() > 0 and feats.grad.abs().sum() > 0
+
+
+class _MeanColourTower:
+    """A stand-in for keye-tiny's encode_vision: every merged token is the mean RGB of its four patches, so
+    the pooled tokens carry colour (and, through the max, a little size) but no shape and no place."""
+
+    class config:  # noqa: N801 - mimics model.config.vision.spatial_merge_size
+        class vision:  # noqa: N801
+            spatial_merge_size = 2
+
+    def encode_vision(self, pixel_values, grid_thw):
+        per_patch = pixel_values.mean(dim=(-1, -2))  # [patches, 3]
+        return per_patch.view(-1, 4, 3).mean(1)
+
+
+def test_linear_probes_read_what_the_tokens_carry_and_nothing_more(tiny_init):
+    from keye.processing.processor import KeyeProcessor
+
+    probe = _load("probe_vision")
+    res = probe.probe_tokens(_MeanColourTower(), KeyeProcessor.from_pretrained(tiny_init), n=400, seed=0)
+    assert set(res) == {"shape", "colour", "x", "y"}
+    assert res["colour"]["accuracy"] >= 0.95
+    for name in ("shape", "x", "y"):  # mean colour says nothing about them: near the majority class
+        assert res[name]["accuracy"] < res[name]["majority"] + 0.2, (name, res[name])
+    with pytest.raises(ValueError, match="at least 8"):
+        probe.probe_tokens(_MeanColourTower(), KeyeProcessor.from_pretrained(tiny_init), n=4)
+
+
 @pytest.fixture(scope="module")
 def tiny_init(tmp_path_factory):
     from keye.data.synth import generate
@@ -80,7 +202,11 @@ def test_contrastive_stage_trains_the_tower_only(tiny_init, tmp_path):
 
     out = tmp_path / "see"
     metrics = see.pretrain_vision(tiny_init, out, steps=4, batch_size=8, eval_every=2, progress=False,
-                                  eval_images=16)
+                                  eval_images=16, twin_fraction=0.5, positions=True, probe_images=16,
+                                  dense_weight=1.0)
+    assert metrics["twin_fraction"] == 0.5 and metrics["positions"] is True and metrics["dense_weight"] == 1.0
+    assert set(metrics["probe"]) == {"shape", "colour", "x", "y"}
+    assert all(0.0 <= v["accuracy"] <= 1.0 and 0.0 < v["majority"] <= 1.0 for v in metrics["probe"].values())
     assert [p["step"] for p in metrics["curve"]] == [0, 2, 4]
     for p in metrics["curve"]:
         assert 0.0 <= p["image_to_caption"] <= 1.0 and 0.0 <= p["caption_to_image"] <= 1.0
