@@ -7,8 +7,9 @@ from their last checkpoint):
   2. a byte-level BPE tokenizer trained on the set's questions, answers and captions, with the Keye
      special tokens
   3. a randomly initialised Keye-VL-1.5-style model (~2.6M parameters) + processor files   runs/tiny/init
-  4. stage "see": the vision tower and projector pretrained contrastively on rendered stills and their
-     object lists (open_clip's loss; training/pretrain_vision.py)            runs/tiny_see
+  4. stage "see": the vision tower and projector pretrained on rendered stills: contrastively against
+     their object lists (open_clip's loss, shape-twin hard negatives, grid cells) plus a per-token shape /
+     colour / place loss (training/pretrain_vision.py)                      runs/tiny_see
   5. SFT stage 0, look: captions of large-object warm-up images (data/synth/warmup.jsonl)
                                                                         runs/tiny_stage0/final
      (training/configs/tiny_synth_stage0.yaml)
@@ -19,8 +20,9 @@ from their last checkpoint):
      (training/configs/tiny_synth.yaml)
   7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
      (runs/tiny/eval<k>{,_blank}), the demo's example clips, and the build report
-     runs/tiny/build_report.json (every stage's and the final figures; ``--report-only`` prints its tables,
-     which are the README's)
+     runs/tiny/build_report.json (every stage's and the final figures, and the linear probes of the
+     vision tokens after the see stage and in the final model; ``--report-only`` prints its tables, which
+     are the README's)
   8. with --install, copy into the package                              keye/assets/keye-tiny
 
 Why stages: trained on the questions alone, a from-scratch model settles on the answer priors of the
@@ -34,7 +36,7 @@ Multiple-choice questions are answered with the option's text (the set asks for 
 to the letter), because a model of this size does not learn the perceived-word -> letter lookup in a CPU
 budget (training/probe_mc.py).
 
-Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 600]
+Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 800]
            [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--install] [stage2 overrides ...]
        python training/build_tiny.py --report-only
 """
@@ -60,7 +62,11 @@ REPO = Path(__file__).resolve().parents[1]
 # which is what lets a from-scratch model start using the pixels.
 MAX_PIXELS = 12544
 VIDEO_DEFAULTS = {"floor_pixels": 3136, "max_pixels": MAX_PIXELS, "fps": 2.0, "max_frames": 16}
-SEE_STEPS = 300  # contrastive vision pretraining (training/pretrain_vision.py)
+SEE_STEPS = 800  # vision pretraining (training/pretrain_vision.py)
+# The see stage's objective (pretrain_vision's arguments): the contrastive loss with shape-twin hard
+# negatives and grid cells in the captions, plus the per-token shape / colour / place loss, which is what
+# makes the tower read shape and up / down at all (training/probe_vision.py measures it).
+SEE_OBJECTIVE = {"twin_fraction": 0.5, "positions": True, "dense_weight": 3.0}
 UNSEEN_SEEDS = (101, 202)  # test splits drawn with seeds the build never trains on
 
 
@@ -179,6 +185,22 @@ def demo_figures(model_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def probe_figures(model_dir: Path, see: dict[str, Any] | None) -> dict[str, Any]:
+    """What the vision tokens carry (training/probe_vision.py) after the see stage (from its metrics, when it
+    ran with probes) and in the finished model."""
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    sys.path.insert(0, str(REPO / "training"))
+    from probe_vision import probe_tokens
+
+    model = KeyeVL.from_pretrained(model_dir, torch_dtype="float32").eval()
+    out = {"final": probe_tokens(model, KeyeProcessor.from_pretrained(model_dir))}
+    if see and see.get("probe"):
+        out = {"after see": see["probe"], **out}
+    return out
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """The README tables of a build report (``runs/tiny/build_report.json``): the stages with their loss
     curves and wall times, then real / blank / majority accuracy per question type for every test set."""
@@ -188,7 +210,8 @@ def report_markdown(report: dict[str, Any]) -> str:
     if see:
         curve = ", ".join(f"{p['loss']:.2f}" for p in see["curve"] if p["loss"] is not None)
         last = see["curve"][-1]
-        lines.append(f"| see (contrastive, {see['batch_size']} images a step) | {see['steps']} | "
+        kind = "contrastive" + (" + per-token" if see.get("dense_weight") else "")
+        lines.append(f"| see ({kind}, {see['batch_size']} images a step) | {see['steps']} | "
                      f"{see['steps'] * see['batch_size']:,} | {curve} | held-out {see.get('eval_images', 256)}-way retrieval "
                      f"image->caption {100 * last['image_to_caption']:.1f} % | {see['seconds'] / 60:.1f} |")
     for name, st in report["stages"].items():
@@ -203,6 +226,13 @@ def report_markdown(report: dict[str, Any]) -> str:
                   "| question type | n | real % | blank % | majority % |", "|---|---|---|---|---|"]
         for t, row in ev["question_type"].items():
             lines.append(f"| {t} | {row['n']} | {row['real']:.1f} | {row['blank']:.1f} | {row['majority']:.1f} |")
+    if report.get("probe"):
+        names = list(next(iter(report["probe"].values())))
+        lines += ["", "| linear probe on the vision tokens | " + " | ".join(names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for when, row in report["probe"].items():
+            lines.append(f"| {when} | " + " | ".join(f"{100 * row[k]['accuracy']:.1f} % (majority "
+                                                       f"{100 * row[k]['majority']:.0f} %)" for k in names) + " |")
     if report.get("demo"):
         lines += ["", "| demo example | answer | keye-tiny says | correct |", "|---|---|---|---|"]
         for d in report["demo"]:
@@ -215,7 +245,7 @@ def main() -> int:
     ap.add_argument("--train", type=int, default=10000)
     ap.add_argument("--test", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=3000, help="large-object caption images for stage 1")
-    ap.add_argument("--see-steps", type=int, default=SEE_STEPS, help="contrastive vision steps (0: skip)")
+    ap.add_argument("--see-steps", type=int, default=SEE_STEPS, help="vision pretraining steps (0: skip)")
     ap.add_argument("--unseen-seeds", type=int, nargs="*", default=list(UNSEEN_SEEDS),
                     help="extra test splits drawn with seeds the build never trains on")
     ap.add_argument("--unseen-test", type=int, default=300, help="questions per unseen-seed test split")
@@ -264,12 +294,15 @@ def main() -> int:
             sys.path.insert(0, str(REPO / "training"))
             from pretrain_vision import pretrain_vision
 
-            pretrain_vision(init, see_dir, steps=args.see_steps)
+            pretrain_vision(init, see_dir, steps=args.see_steps, **SEE_OBJECTIVE)
         report["see"] = json.loads((see_dir / "metrics.json").read_text())
-    stage0_overrides = [] if args.see_steps > 0 else ["model.path=runs/tiny/init"]
+    # The stage configs freeze the tower the see stage trained; without that stage it is random, so the
+    # stages train it end to end instead.
+    no_see = [] if args.see_steps > 0 else ["train.stage=full"]
+    stage0_overrides = [] if args.see_steps > 0 else ["model.path=runs/tiny/init", *no_see]
     stages = [("0, look", "stage0", "runs/tiny_stage0", stage0_overrides),
-              ("1, perception", "stage1", "runs/tiny_stage1", []),
-              ("2, questions", "", "runs/tiny", list(args.overrides))]
+              ("1, perception", "stage1", "runs/tiny_stage1", no_see),
+              ("2, questions", "", "runs/tiny", no_see + list(args.overrides))]
     for name, stage, out_dir, overrides in stages:
         seconds = None
         if not (REPO / out_dir / "final/model.safetensors").is_file():
@@ -293,6 +326,7 @@ def main() -> int:
         print(f"{name}: real {ev['real']:.1f} %, blank {ev['blank']:.1f} %, majority {ev['majority']:.1f} %",
               flush=True)
     report["demo"] = demo_figures(REPO / "runs/tiny/final")
+    report["probe"] = probe_figures(REPO / "runs/tiny/final", report.get("see"))
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(report_markdown(report), end="", flush=True)
     print(f"report -> {report_path}")
