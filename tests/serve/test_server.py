@@ -129,7 +129,8 @@ def test_stop_string_cuts_the_answer(client, media_dir):
     # keye-tiny answers its caption prompt with a long sentence; greedy makes it reproducible.
     from keye.data.synth import CAPTION_PROMPT
 
-    content = [{"type": "video_url", "video_url": {"url": str(media_dir / "clip.mp4")}}, _text(CAPTION_PROMPT)]
+    prompt = CAPTION_PROMPT.format(kind="video", times=", the second it appears and what it does")
+    content = [{"type": "video_url", "video_url": {"url": str(media_dir / "clip.mp4")}}, _text(prompt)]
     kw = dict(model="keye-tiny", messages=[{"role": "user", "content": content}], max_tokens=32, temperature=0)
     full = client.chat.completions.create(**kw).choices[0].message.content
     assert len(full) >= 6, f"keye-tiny's sampled answer {full!r} is too short to test stop strings"
