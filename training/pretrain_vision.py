@@ -95,8 +95,9 @@ def shape_twin(objs: list[Any], rng: np.random.Generator) -> list[Any]:
     """The same still with every object's shape changed (colours, sizes and places kept; the shapes stay
     distinct among the coloured objects). Put beside the original in one contrastive batch, the pair can
     only be told apart by shape: without such pairs the object lists of a batch differ in their colours
-    almost always, and the tower learns colour and next to no shape (a linear probe on its tokens read
-    shape at 35 % against 28 % for the majority class, colour at 100 %)."""
+    almost always, and the tower learns colour and little shape (a linear probe on its tokens read shape
+    at 46 % against 27 % for the majority class, colour at 100 %). Twins alone did not fix that in 300 steps
+    (50 %); the per-token loss (:class:`DenseHeads`) did."""
     from dataclasses import replace as dc_replace
 
     from keye.data.synth import SHAPES

@@ -256,3 +256,8 @@ def test_eval_figures_and_report_come_from_the_scores(tmp_path):
     assert "| 2, questions | 3 | 30 | 2.00 -> 0.500 |" in md and "| 1.0 |" in md
     assert "**unseen seed 7** (5 questions): real **80.0 %**, blank clips 20.0 %, majority answer 60.0 %" in md
     assert "| color | 3 | 66.7 | 33.3 | 66.7 |" in md and "| order | B | the red circle | yes |" in md
+    report["probe"] = {"after see": {"shape": {"accuracy": 0.957, "majority": 0.27}},
+                       "final": {"shape": {"accuracy": 0.5, "majority": 0.27}}}
+    md = build.report_markdown(report)
+    assert "| linear probe on the vision tokens | shape |" in md
+    assert "| after see | 95.7 % (majority 27 %) |" in md and "| final | 50.0 % (majority 27 %) |" in md
