@@ -126,17 +126,14 @@ def cell_of(obj: Any, width: int, height: int) -> int:
 def object_map(width: int, height: int, objs: list[Any]) -> np.ndarray:
     """int [height, width]: which object (index into ``objs``) each pixel shows, -1 for background, drawn
     like :func:`keye.data.synth.render_frame` (later objects on top)."""
-    from keye.data.synth import _shape_mask
+    from keye.data.synth import shape_pixels
 
     out = np.full((height, width), -1, dtype=np.int64)
     for k, o in enumerate(objs):
-        r = o.size
-        x0, x1 = max(0, int(o.x - r) - 1), min(width, int(o.x + r) + 2)
-        y0, y1 = max(0, int(o.y - r) - 1), min(height, int(o.y + r) + 2)
-        if x0 >= x1 or y0 >= y1:
-            continue
-        ys, xs = np.mgrid[y0:y1, x0:x1]
-        out[y0:y1, x0:x1][_shape_mask(o.shape, xs + 0.5, ys + 0.5, o.x, o.y, r)] = k
+        px = shape_pixels(o.shape, o.x, o.y, o.size, width, height)
+        if px is not None:
+            y0, y1, x0, x1, mask = px
+            out[y0:y1, x0:x1][mask] = k
     return out
 
 
@@ -269,10 +266,8 @@ def image_embeddings(model: Any, head: torch.nn.Module, batch: dict[str, Any],
     (mean and max) and projected: [n, out_dim]."""
     if feats is None:
         feats = model.encode_vision(batch["pixel_values"], batch["grid_thw"])
-    m2 = model.config.vision.spatial_merge_size ** 2
-    counts = [int(t * h * w) // m2 for t, h, w in batch["grid_thw"].tolist()]
-    pooled = [torch.cat([f.mean(0), f.amax(0)]) for f in torch.split(feats, counts)]
-    return head(torch.stack(pooled))
+    pool = _sibling("probe_vision").pool_tokens
+    return head(pool(feats, batch["grid_thw"], model.config.vision.spatial_merge_size))
 
 
 def retrieval_accuracy(img: torch.Tensor, txt: torch.Tensor) -> tuple[float, float]:

@@ -53,18 +53,23 @@ def probe_stills(processor: Any, n: int, seed: int) -> tuple[list[tuple[torch.Te
     return items, torch.tensor(labels)
 
 
+def pool_tokens(feats: torch.Tensor, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """[n_items, 2 * hidden]: the merged tokens ``feats`` ([sum(t*h*w)/merge^2, hidden], items in order) of
+    each item of ``grid_thw`` (int [n_items, 3], patch units) pooled by their mean and their max."""
+    counts = [int(t * h * w) // merge**2 for t, h, w in grid_thw.tolist()]
+    return torch.stack([torch.cat([f.mean(0), f.amax(0)]) for f in torch.split(feats, counts)])
+
+
 @torch.no_grad()
 def pooled_tokens(model: Any, items: list[tuple[torch.Tensor, list[int]]], batch: int = 64) -> torch.Tensor:
-    """[n, 2 * hidden]: each still's merged vision tokens, mean- and max-pooled."""
+    """[n, 2 * hidden]: each still's merged vision tokens, mean- and max-pooled (:func:`pool_tokens`)."""
     out = []
     for i in range(0, len(items), batch):
         chunk = items[i:i + batch]
         grids = torch.tensor([g for _, g in chunk])
         feats = model.encode_vision(torch.cat([p for p, _ in chunk]), grids)
-        m2 = model.config.vision.spatial_merge_size ** 2
-        counts = [int(t * h * w) // m2 for t, h, w in grids.tolist()]
-        out += [torch.cat([f.mean(0), f.amax(0)]) for f in torch.split(feats, counts)]
-    return torch.stack(out).float()
+        out.append(pool_tokens(feats, grids, model.config.vision.spatial_merge_size))
+    return torch.cat(out).float()
 
 
 def linear_probe(x: torch.Tensor, y: torch.Tensor, n_train: int, steps: int = 400, seed: int = 0) -> float:

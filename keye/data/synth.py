@@ -198,6 +198,18 @@ def _shape_mask(shape: str, xs: np.ndarray, ys: np.ndarray, cx: float, cy: float
     raise KeyeConfigError(f"unknown shape {shape!r}")
 
 
+def shape_pixels(shape: str, x: float, y: float, r: float, width: int, height: int):
+    """The pixels a shape of half-extent ``r`` centred at (``x``, ``y``) covers in a ``width`` x ``height``
+    frame, as ``(y0, y1, x0, x1, mask)`` (``mask`` bool over rows y0:y1, columns x0:x1; pixel centres are
+    tested), or None when the shape lies wholly outside the frame."""
+    x0, x1 = max(0, int(x - r) - 1), min(width, int(x + r) + 2)
+    y0, y1 = max(0, int(y - r) - 1), min(height, int(y + r) + 2)
+    if x0 >= x1 or y0 >= y1:
+        return None
+    ys, xs = np.mgrid[y0:y1, x0:x1]
+    return y0, y1, x0, x1, _shape_mask(shape, xs + 0.5, ys + 0.5, x, y, r)
+
+
 def render_frame(scene: Scene, t: float) -> np.ndarray:
     """Render the scene at time ``t`` (seconds) as uint8 [H, W, 3]; later objects are drawn on top."""
     frame = np.empty((scene.height, scene.width, 3), dtype=np.uint8)
@@ -206,14 +218,10 @@ def render_frame(scene: Scene, t: float) -> np.ndarray:
         vis, x, y, color = obj.state(t)
         if not vis:
             continue
-        r = obj.size
-        x0, x1 = max(0, int(x - r) - 1), min(scene.width, int(x + r) + 2)
-        y0, y1 = max(0, int(y - r) - 1), min(scene.height, int(y + r) + 2)
-        if x0 >= x1 or y0 >= y1:
-            continue
-        ys, xs = np.mgrid[y0:y1, x0:x1]
-        mask = _shape_mask(obj.shape, xs + 0.5, ys + 0.5, x, y, r)
-        frame[y0:y1, x0:x1][mask] = COLORS[color]
+        px = shape_pixels(obj.shape, x, y, obj.size, scene.width, scene.height)
+        if px is not None:
+            y0, y1, x0, x1, mask = px
+            frame[y0:y1, x0:x1][mask] = COLORS[color]
     return frame
 
 
