@@ -16,7 +16,7 @@ pixels either. The keye-tiny built before the per-token see stage read colour at
 (majority class 27 %): its shape, colour and order failures were perception, not reasoning. The current one
 reads shape at 95.7 %.
 
-Usage: python training/probe_vision.py [--model keye/assets/keye-tiny] [--images 1200]
+Usage: python training/probe_vision.py [--model keye-tiny | CHECKPOINT_DIR] [--images 1200]
 Prints one line per property (held-out accuracy and the majority-class baseline) and, with ``--out``,
 writes them as JSON.
 """
@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 PROPERTIES = ("shape", "colour", "x", "y")
 
 
@@ -113,14 +112,16 @@ def probe_tokens(model: Any, processor: Any, n: int = 1200, seed: int = 0) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(REPO / "keye/assets/keye-tiny"))
+    ap.add_argument("--model", default="keye-tiny", help="a checkpoint directory, hub id or keye-tiny")
     ap.add_argument("--images", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
+    from keye.tiny import resolve_model_path
 
+    args.model = resolve_model_path(args.model)
     model = KeyeVL.from_pretrained(args.model, torch_dtype="float32").eval()
     result = probe_tokens(model, KeyeProcessor.from_pretrained(args.model), n=args.images, seed=args.seed)
     for name, row in result.items():
