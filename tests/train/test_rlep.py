@@ -81,6 +81,8 @@ def test_configs_load_and_validate(tmp_path):
     assert grpo == rlep
     assert rlep.eval.manifest == "data/synth/test.jsonl" and rlep.eval.limit == 500 and rlep.eval.every > 0
     assert rlep.eval.samples == 4 and rlep.algorithm.kl_coef > 0 and rlep.algorithm.reference
+    # RL on keye-tiny keeps its tower frozen, as SFT does (trained end to end, GRPO wore down its shape probe)
+    assert rlep.train.stage == "llm_only" and rlep.train.lr_projector < rlep.train.lr
 
     with pytest.raises(KeyeConfigError, match="kl_coef > 0 needs algorithm.reference"):
         validate(load_config(RLEPConfig, None, ["algorithm.kl_coef=0.1"]))
