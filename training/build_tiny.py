@@ -251,6 +251,8 @@ def main() -> int:
     ap.add_argument("--unseen-test", type=int, default=300, help="questions per unseen-seed test split")
     ap.add_argument("--eval-build-test", action="store_true",
                     help="also evaluate on the build's own (seed 0) test split, not only the unseen seeds")
+    ap.add_argument("--caption-places", action="store_true",
+                    help="the captions (stages 0-2) also say where each object is (keye data synth --places)")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
     ap.add_argument("--report-only", action="store_true", help="print the tables of runs/tiny/build_report.json")
     ap.add_argument("overrides", nargs="*", help="extra stage-2 SFT overrides (key=value)")
@@ -265,11 +267,11 @@ def main() -> int:
     if not (synth / "test.jsonl").is_file():
         from keye.data.synth import generate
 
-        generate(synth, train=args.train, test=args.test, seed=0)
+        generate(synth, train=args.train, test=args.test, seed=0, places=args.caption_places)
     if not (synth / "warmup.jsonl").is_file():
         from keye.data.synth import generate_split
 
-        generate_split(synth, "warmup", args.warmup, seed=0)
+        generate_split(synth, "warmup", args.warmup, seed=0, places=args.caption_places)
     tests = {"seed 0 test split (the build's held-out questions)": synth / "test.jsonl"} if args.eval_build_test else {}
     for seed in args.unseen_seeds:
         path = synth / f"unseen_seed{seed}/test.jsonl"

@@ -4,7 +4,7 @@
 
     keye data check MANIFEST [--root DIR] [--processor DIR] [--json]
     keye data synth --out data/synth --train 20000 --test 1000 --seed 0 [--workers N] [--image-fraction 0.1]
-                    [--warmup N] [--modes [--auto-labels type|mixed]]
+                    [--warmup N] [--modes [--auto-labels type|mixed]] [--places]
     keye data clip-filter MANIFEST --out KEPT.jsonl --checkpoint CLIP.pt --model ViT-B-32 --threshold 0.3
     keye data autothink MANIFEST --out DIR --base-url http://127.0.0.1:8000/v1 --model keye-tiny
                         [--solver-url/--solver-model/... per role] [--concurrency 4] [--rps 0] [--retries 5]
@@ -52,6 +52,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--extra-type", action="append", default=[], metavar="TYPE=WEIGHT",
                    help="also draw an opt-in video question type with this weight (the defaults weigh 0.7-1), "
                         "e.g. when_gap=3; repeatable")
+    p.add_argument("--places", action="store_true",
+                   help="the captions also say where each object is (its 3 x 3 grid cell: top left ... bottom right)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -199,6 +201,7 @@ def _synth(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         warmup=args.warmup,
         modes=args.modes, auto_labels=args.auto_labels, extra_types=parse_type_weights(args.extra_type),
+        places=args.places,
     )
     dt = time.perf_counter() - t0
     n = args.train + args.test

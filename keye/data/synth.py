@@ -503,20 +503,42 @@ def _heading(obj: Obj) -> str | None:
     return "down" if obj.vy > 0 else "up"
 
 
-def describe(scene: Scene) -> str:
+PLACE_ROWS = ("top", "", "bottom")
+PLACE_COLS = ("left", "", "right")
+
+
+def place_word(x: float, y: float, width: int, height: int) -> str:
+    """The 3 x 3 grid cell of a point as words: ``"top left"``, ``"top"``, ``"top right"``, ``"left"``,
+    ``"middle"``, ``"right"``, ``"bottom left"``, ``"bottom"``, ``"bottom right"`` (thirds of the frame)."""
+    row = PLACE_ROWS[min(2, max(0, int(3 * y / height)))]
+    col = PLACE_COLS[min(2, max(0, int(3 * x / width)))]
+    return " ".join(w for w in (row, col) if w) or "middle"
+
+
+def describe(scene: Scene, places: bool = False) -> str:
     """A dense caption of the clip: every object once, in order of appearance (then left to right), with
     its colour when it appears and, in videos, the second it appears and what it does: the direction it
     moves in, when it changes colour and to what, when it bounces off another object and when it is gone
     (left the frame or vanished). ``"red circle at 0.0 moving right bounces at 2.5, blue square at 1.5
     turns green at 3.0."`` (images: ``"red circle, blue square."``). It is the perception target of
     :func:`caption_rows` and needs no reasoning, only looking; every event a question can ask about is in
-    it, so the captions train the perception behind every question type."""
+    it, so the captions train the perception behind every question type.
+
+    With ``places`` every object also gets the cell of a 3 x 3 grid it is in when it appears
+    (:func:`place_word`) after its name, and a moving object the cell it is last seen in (its last frame
+    before it is gone or the clip ends): ``"red circle top left at 0.0 moving right ends top right, blue
+    square bottom at 1.5."`` (images: ``"red circle top left, blue square right."``), so the captions
+    also ask where things are, which the position and direction questions need."""
     objs = sorted(scene.objects, key=lambda o: (o.t_appear, o.x))
+
+    def name(o: Obj) -> str:
+        return f"{o.color} {o.shape}" + (f" {place_word(o.x, o.y, scene.width, scene.height)}" if places else "")
+
     if not scene.fps:
-        return ", ".join(f"{o.color} {o.shape}" for o in objs) + "."
+        return ", ".join(name(o) for o in objs) + "."
     parts = []
     for o in objs:
-        words = [f"{o.color} {o.shape} at {o.t_appear:.1f}"]
+        words = [f"{name(o)} at {o.t_appear:.1f}"]
         heading = _heading(o)
         if heading:
             words.append(f"moving {heading}")
@@ -524,6 +546,10 @@ def describe(scene: Scene) -> str:
             words.append(f"turns {o.new_color} at {o.t_change:.1f}")
         if o.bounce_at < scene.duration:
             words.append(f"bounces at {o.bounce_at:.1f}")
+        if places and heading:  # where it is last seen: a start and an end place make a direction two looks
+            t_end = max(o.t_appear, min(o.t_vanish, scene.duration) - 1.0 / scene.fps)
+            _, x_end, y_end, _ = o.state(t_end)
+            words.append(f"ends {place_word(x_end, y_end, scene.width, scene.height)}")
         if o.t_vanish < scene.duration:
             words.append(f"gone at {o.t_vanish:.1f}")
         parts.append(" ".join(words))
@@ -585,26 +611,26 @@ def _conclusion(scene: Scene, target: str) -> str | None:
     return f"{ev['object']} {verb} at {ev['t']:.1f}"
 
 
-def reasoning_trace(scene: Scene, target: str) -> str:
+def reasoning_trace(scene: Scene, target: str, places: bool = False) -> str:
     """The think-mode trace of a scene's question: the dense caption (:func:`describe`, every object with
     the second it appears, what it does and when it is gone) and, for :data:`THINK_TYPES`, the step that
     reads the answer off it (``"; total 3"``, ``"; first the red circle"``, ``"; blue square turns at
     2.5"``, ``"; touch at 1.5"``). ``target`` is the assistant answer (the option text for multiple choice). Everything is
     written from the scene description, so a count in the trace equals the answer and every time in it is
-    an event time of the scene."""
-    caption = describe(scene).rstrip(".")
+    an event time of the scene. ``places`` writes the caption with places (:func:`describe`)."""
+    caption = describe(scene, places).rstrip(".")
     step = _conclusion(scene, target) if scene.question_type in THINK_TYPES else None
     return caption if step is None else f"{caption}; {step}"
 
 
-def mode_targets(scene: Scene, target: str, auto_think: bool | None = None) -> dict[str, str]:
+def mode_targets(scene: Scene, target: str, auto_think: bool | None = None, places: bool = False) -> dict[str, str]:
     """The assistant target of each thinking mode for a scene's question whose direct answer is
     ``target`` (see the module's modes table): ``{"think", "no_think", "auto"}``. The auto target opens
     with ``<analysis>/think</analysis>`` and thinks when ``auto_think`` (default ``None``: when the
     question type is in :data:`THINK_TYPES`), else opens with ``<analysis>/no_think</analysis>`` and
     answers directly (the analysis names the chosen switch, which :mod:`keye.rewards.format` checks
-    against the mode used)."""
-    think = f"<think>{reasoning_trace(scene, target)}</think>{target}"
+    against the mode used). ``places``: the trace's caption names where each object is."""
+    think = f"<think>{reasoning_trace(scene, target, places)}</think>{target}"
     if auto_think is None:
         auto_think = scene.question_type in THINK_TYPES
     auto = f"<analysis>/think</analysis>{think}" if auto_think else f"<analysis>/no_think</analysis>{target}"
@@ -664,13 +690,15 @@ def _weighted(rng: np.random.Generator, table: dict[str, float]) -> str:
     return str(keys[int(rng.choice(len(keys), p=p / p.sum()))])
 
 
-def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float) -> dict[str, Any]:
+def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
+                       places: bool = False) -> dict[str, Any]:
     """A perception warm-up row (split ``"warmup"``): an image of one or two *large* shapes (radius a fifth
     to a third of the side) and its caption as the answer (the :func:`caption_rows` format).
 
     Large objects fill whole vision tokens, so even an untrained tower gives the decoder a clear signal;
     a tiny model learns to read colours and shapes here first and then transfers it to the small objects
-    of the real clips (trained on small objects alone it never starts). ``image_fraction`` is ignored.
+    of the real clips (trained on small objects alone it never starts). ``image_fraction`` is ignored;
+    ``places`` writes the caption with places (:func:`describe`).
     """
     rng = sample_rng(seed, split, index)
     w, h = int(rng.choice(SIDES)), int(rng.choice(SIDES))
@@ -686,7 +714,7 @@ def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fr
     dest = Path(out_dir) / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
     write_image(dest, scene)
-    caption = describe(scene)
+    caption = describe(scene, places)
     return {
         "id": f"{split}-{index:06d}",
         "messages": [
@@ -715,14 +743,14 @@ def _check_extra_types(extra_types: dict[str, float] | None) -> dict[str, float]
 
 def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
                 modes: bool = False, auto_labels: str = "type",
-                extra_types: dict[str, float] | None = None) -> dict[str, Any]:
+                extra_types: dict[str, float] | None = None, places: bool = False) -> dict[str, Any]:
     """Render sample ``index`` of ``split`` into ``out_dir/media/<split>/`` and return its manifest row.
 
     The row's media path is relative to ``out_dir`` (the manifest root). With ``modes`` the row also has
     ``modes`` (:func:`mode_targets`) and ``auto_mode`` ("think" / "no_think", chosen by ``auto_labels``,
     one of :data:`AUTO_LABELS`); the rest is identical. ``extra_types`` adds opt-in video question types
     (:data:`EXTRA_VIDEO_TYPES`) with their weights to the video types' table; without it the sample is
-    the default set's.
+    the default set's. ``places`` writes the caption (and the think traces) with places (:func:`describe`).
 
     Raises:
         KeyeConfigError: unknown ``auto_labels`` or extra type, or an extra type's weight <= 0.
@@ -762,7 +790,7 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
         row["choices"] = scene.choices
     if scene.tolerance is not None:
         row["tolerance"] = scene.tolerance
-    row["caption"] = describe(scene)
+    row["caption"] = describe(scene, places)
     row["meta"] = {
         "modality": "image" if image else "video",
         "width": scene.width,
@@ -775,14 +803,14 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
     if modes:
         auto_think = (mixed_auto_think(seed, split, index) if auto_labels == "mixed"
                       else scene.question_type in THINK_TYPES)
-        row["modes"] = mode_targets(scene, target, auto_think)
+        row["modes"] = mode_targets(scene, target, auto_think, places)
         row["auto_mode"] = "think" if auto_think else "no_think"
     return row
 
 
-def _make_star(args: tuple[str, str, int, int, float, bool, str, dict[str, float] | None]) -> dict[str, Any]:
+def _make_star(args: tuple[str, str, int, int, float, bool, str, dict[str, float] | None, bool]) -> dict[str, Any]:
     if args[1] == "warmup":
-        return make_warmup_sample(*args[:5])
+        return make_warmup_sample(*args[:5], places=args[8])
     return make_sample(*args)
 
 
@@ -799,6 +827,7 @@ def generate_split(
     modes: bool = False,
     auto_labels: str = "type",
     extra_types: dict[str, float] | None = None,
+    places: bool = False,
 ) -> Path:
     """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``, plus
     ``out_dir/<split>_captions.jsonl`` (:func:`caption_rows`: one dense-caption row per sample, same media).
@@ -817,6 +846,8 @@ def generate_split(
             type (a cold start RL can still select from). The think and no_think rows are the same.
         extra_types: opt-in video question types and their weights (:data:`EXTRA_VIDEO_TYPES`, e.g.
             ``{"when_gap": 3.0}``); None (default) draws the default types only.
+        places: the captions (and think traces) also name each object's 3 x 3 grid cell
+            (:func:`describe`); off by default, so the default set is unchanged.
 
     Returns:
         The manifest path. Rows are in index order whatever the worker count.
@@ -836,7 +867,7 @@ def generate_split(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     modes = modes and split != "warmup"
-    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels, extra) for i in range(n)]
+    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels, extra, places) for i in range(n)]
     workers = (os.cpu_count() or 1) if workers is None else workers
     bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
     if workers <= 0 or n <= 1:
@@ -868,16 +899,17 @@ def generate(
     modes: bool = False,
     auto_labels: str = "type",
     extra_types: dict[str, float] | None = None,
+    places: bool = False,
 ) -> dict[str, Path]:
     """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
     ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`; ``modes`` adds the
     thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``;
-    ``extra_types`` adds opt-in question types)."""
+    ``extra_types`` adds opt-in question types; ``places`` names where each object is in the captions)."""
     splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
     return {
         split: generate_split(
             out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress,
-            modes=modes, auto_labels=auto_labels, extra_types=extra_types,
+            modes=modes, auto_labels=auto_labels, extra_types=extra_types, places=places,
         )
         for split, n in splits
     }
