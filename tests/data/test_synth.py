@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import av
@@ -104,6 +105,22 @@ def test_cli_extra_type(tmp_path: Path):
     assert main(["data", "synth", "--out", str(tmp_path), "--train", "6", "--test", "0", "--seed", "4",
                  "--workers", "0", "--no-progress", "--extra-type", "when_gap=100"]) == 0
     assert {r["question_type"] for r in _rows(tmp_path / "train.jsonl")} >= {"when_gap"}
+
+
+def test_cli_places_only_changes_the_captions(tmp_path: Path):
+    from keye.cli import main
+
+    for name, extra in (("plain", []), ("placed", ["--places"])):
+        assert main(["data", "synth", "--out", str(tmp_path / name), "--train", "8", "--test", "0", "--seed", "4",
+                     "--workers", "0", "--no-progress", "--warmup", "3", *extra]) == 0
+    for split in ("train", "warmup"):
+        plain, placed = _rows(tmp_path / "plain" / f"{split}.jsonl"), _rows(tmp_path / "placed" / f"{split}.jsonl")
+        key = "caption" if split == "train" else "answer"
+        for a, b in zip(plain, placed):
+            assert a[key] != b[key] and {k: v for k, v in a.items() if k not in ("caption", "messages", "answer")} \
+                == {k: v for k, v in b.items() if k not in ("caption", "messages", "answer")}
+        if split == "train":  # the question rows themselves are the same
+            assert [r["messages"] for r in plain] == [r["messages"] for r in placed]
 
 
 @pytest.mark.parametrize("k", range(4))
@@ -257,3 +274,43 @@ def test_warmup_rows_are_large_object_captions(tmp_path: Path):
             # large: each named object covers well over 2 % of the image (a fifth of the side or more)
             assert _mask(frame, color).mean() > 0.02, (s.id, p)
         assert s.messages[-1]["content"][0]["text"] == s.row["answer"]
+
+
+def _cells_near(x: float, y: float, w: int, h: int, slack: float = 6.0) -> set[str]:
+    """The place words of every 3 x 3 cell within ``slack`` pixels of (x, y) (an encoded frame's object
+    centre can sit a few pixels from the drawn one, and a third's boundary can fall between them)."""
+    from keye.data.synth import place_word
+
+    return {place_word(x + dx, y + dy, w, h) for dx in (-slack, 0, slack) for dy in (-slack, 0, slack)}
+
+
+@pytest.mark.parametrize("qtype", ["direction", "when_leave", "count"])
+def test_caption_places_match_the_pixels(tmp_path: Path, qtype: str):
+    from keye.data.synth import describe
+
+    for k in range(3):
+        sc, frames = _scene_video(qtype, k, tmp_path)
+        plain, placed = describe(sc), describe(sc, places=True)
+        assert plain != placed and placed.count(", ") == plain.count(", ")
+        for o, part in zip(sorted(sc.objects, key=lambda o: (o.t_appear, o.x)), placed.rstrip(".").split(", ")):
+            words = part.split(" ")
+            if sum(p.color == o.color or p.new_color == o.color for p in sc.objects) > 1:
+                continue  # two objects share the colour: the pixels do not say which is which
+            start = " ".join(words[2:words.index("at")])  # "<colour> <shape> <place> at <second> ..."
+            first = int(round(o.t_appear * sc.fps))
+            ys, xs = np.nonzero(_mask(frames[first], o.color))
+            assert start in _cells_near(xs.mean(), ys.mean(), sc.width, sc.height), (placed, o)
+            if "ends" in words:  # a mover: the cell of the last frame it is seen in
+                end = " ".join(words[words.index("ends") + 1:words.index("gone") if "gone" in words else None])
+                last = max(i for i, f in enumerate(frames) if _mask(f, o.color).sum() >= 6)
+                ys, xs = np.nonzero(_mask(frames[last], o.color))
+                assert end in _cells_near(xs.mean(), ys.mean(), sc.width, sc.height, slack=o.size), (placed, o)
+            else:
+                assert "moving" not in words
+        # apart from the place words, the caption is the place-free one word for word
+        place = {"top", "bottom", "left", "right", "middle", "ends"}
+        assert [w for w in re.split("[ ,.]+", placed) if w not in place] == \
+            [w for w in re.split("[ ,.]+", plain) if w not in place]
+    img = make_scene(np.random.default_rng([7, 1]), "position", image=True)
+    a, b = describe(img, places=True).rstrip(".").split(", ")
+    assert " at " not in a and len(a.split(" ")) >= 3 and len(b.split(" ")) >= 3
