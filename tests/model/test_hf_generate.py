@@ -221,14 +221,20 @@ def test_stop_strings_stop_at_the_first_occurrence(tiny_pair):
     batch = processor([{"role": "user", "content": [{"type": "text", "text": "Tell me about the red ball."}]}])
     L = batch["input_ids"].shape[1]
     kw = dict(max_new_tokens=30, eos_token_id=[], do_sample=True, temperature=1.5)
-    torch.manual_seed(7)
-    free = model.generate(**batch, **kw)[0, L:].tolist()
-    texts = [processor.tokenizer.decode(free[:k]) for k in range(len(free) + 1)]
-    # A stop string that ends inside the generated text: the last two characters of some prefix's text.
-    k = next(k for k in range(3, len(free)) if texts[k][-2:].isalpha())
+    # A stop string that ends inside the generated text: the last two characters of some prefix's text
+    # (the first seed whose free-running sample has a prefix ending in two letters; which seed that is
+    # depends on the weights).
+    for seed in range(7, 57):
+        torch.manual_seed(seed)
+        free = model.generate(**batch, **kw)[0, L:].tolist()
+        texts = [processor.tokenizer.decode(free[:k]) for k in range(len(free) + 1)]
+        k = next((k for k in range(3, len(free)) if texts[k][-2:].isalpha()), None)
+        if k is not None:
+            break
+    assert k is not None, "no sample with a two-letter prefix ending in 50 seeds"
     stop = texts[k][-2:]
     expected = next(j for j in range(1, len(free) + 1) if stop in texts[j])
-    torch.manual_seed(7)  # stop criteria draw no random numbers: the same samples up to the stop
+    torch.manual_seed(seed)  # stop criteria draw no random numbers: the same samples up to the stop
     out = model.generate(**batch, **kw, stop_strings=[stop], tokenizer=processor.tokenizer)[0, L:].tolist()
     assert expected < len(free) and out == free[:expected]
 
