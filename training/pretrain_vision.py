@@ -117,10 +117,11 @@ def shape_twin(objs: list[Any], rng: np.random.Generator) -> list[Any]:
 
 
 def cell_of(obj: Any, width: int, height: int) -> int:
-    """The object's centre as a cell of a 3 x 3 grid over the frame (row-major, 0 = top left)."""
-    col = min(2, int(3 * obj.x / width))
-    row = min(2, int(3 * obj.y / height))
-    return 3 * row + col
+    """The object's centre as a cell of a 3 x 3 grid over the frame (row-major, 0 = top left): the cell
+    the captions' place words name (:func:`keye.data.synth.grid_cell`)."""
+    from keye.data.synth import grid_cell
+
+    return grid_cell(obj.x, obj.y, width, height)
 
 
 def object_map(width: int, height: int, objs: list[Any]) -> np.ndarray:

@@ -503,16 +503,21 @@ def _heading(obj: Obj) -> str | None:
     return "down" if obj.vy > 0 else "up"
 
 
-PLACE_ROWS = ("top", "", "bottom")
-PLACE_COLS = ("left", "", "right")
+PLACE_WORDS = ("top left", "top", "top right", "left", "middle", "right", "bottom left", "bottom", "bottom right")
+
+
+def grid_cell(x: float, y: float, width: int, height: int) -> int:
+    """The cell of a 3 x 3 grid over the frame (thirds of each side) that the point (x, y) falls in,
+    row-major, 0 = top left; points outside the frame count in the nearest cell."""
+    row = min(2, max(0, int(3 * y / height)))
+    col = min(2, max(0, int(3 * x / width)))
+    return 3 * row + col
 
 
 def place_word(x: float, y: float, width: int, height: int) -> str:
-    """The 3 x 3 grid cell of a point as words: ``"top left"``, ``"top"``, ``"top right"``, ``"left"``,
-    ``"middle"``, ``"right"``, ``"bottom left"``, ``"bottom"``, ``"bottom right"`` (thirds of the frame)."""
-    row = PLACE_ROWS[min(2, max(0, int(3 * y / height)))]
-    col = PLACE_COLS[min(2, max(0, int(3 * x / width)))]
-    return " ".join(w for w in (row, col) if w) or "middle"
+    """The :func:`grid_cell` of a point as words (:data:`PLACE_WORDS`): ``"top left"``, ``"top"``, ...,
+    ``"middle"``, ..., ``"bottom right"``."""
+    return PLACE_WORDS[grid_cell(x, y, width, height)]
 
 
 def describe(scene: Scene, places: bool = False) -> str:
