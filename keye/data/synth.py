@@ -746,6 +746,22 @@ def _check_extra_types(extra_types: dict[str, float] | None) -> dict[str, float]
     return extra
 
 
+def sample_scene(seed: int, split: str, index: int, image_fraction: float = 0.1,
+                 extra_types: dict[str, float] | None = None) -> Scene:
+    """The scene (objects, question, answer) of sample ``index`` of ``split``, exactly as
+    :func:`make_sample` draws it with the same arguments, without rendering anything: what a probe needs
+    to know about a row beyond its manifest (each object's size and path).
+
+    Raises:
+        KeyeConfigError: an unknown extra type, or an extra type's weight <= 0.
+    """
+    extra = _check_extra_types(extra_types)
+    rng = sample_rng(seed, split, index)
+    image = bool(rng.random() < image_fraction)
+    qtype = _weighted(rng, IMAGE_TYPES if image else {**VIDEO_TYPES, **extra})
+    return make_scene(rng, qtype, image)
+
+
 def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
                 modes: bool = False, auto_labels: str = "type",
                 extra_types: dict[str, float] | None = None, places: bool = False) -> dict[str, Any]:
@@ -761,11 +777,8 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
         KeyeConfigError: unknown ``auto_labels`` or extra type, or an extra type's weight <= 0.
     """
     _check_auto_labels(auto_labels)
-    extra = _check_extra_types(extra_types)
-    rng = sample_rng(seed, split, index)
-    image = bool(rng.random() < image_fraction)
-    qtype = _weighted(rng, IMAGE_TYPES if image else {**VIDEO_TYPES, **extra})
-    scene = make_scene(rng, qtype, image)
+    scene = sample_scene(seed, split, index, image_fraction, extra_types)
+    image = scene.fps == 0
     sid = f"{split}-{index:06d}"
     rel = Path("media") / split / (f"{index:06d}.png" if image else f"{index:06d}.mp4")
     dest = Path(out_dir) / rel
