@@ -4,7 +4,8 @@ Stages, each skipped when its output exists (``--from-stage S`` deletes S's outp
 and runs them again):
 
   data      the mode-tagged synthetic set (``keye.data.synth`` with ``modes=True``): ``--train`` samples
-            from the build seed (``--seed``, three SFT rows each: /think, /no_think, auto) and a held-out
+            from the build seed (``--seed``, three SFT rows each: /think, /no_think, auto; the think traces'
+            captions name where each object is, as keye-tiny's build captions, unless ``--no-places``) and a held-out
             test split of ``--test`` questions from a seed keye-tiny never saw (``--test-seed``); the auto
             rows' decisions follow ``--auto-labels``: ``type`` (default: think on the stepwise question
             types only) or ``mixed`` (each sample 50/50, so the cold start takes both decisions on every
@@ -20,6 +21,11 @@ and runs them again):
             ``keye.rl.autothink`` does not exist; by default on the SFT's own training questions, with
             ``--rl-seed S`` on ``--rl-questions`` new ones drawn from seed S (``<out>/rl_data``)
   eval_rl   the held-out evaluation of the RL checkpoint
+  eval_helps  each checkpoint's think and no_think answers on a second held-out split (``--helps-test``
+            questions from ``--helps-seed``), which alone decides the question types where thinking helps:
+            auto's think rate is then compared on the first split, so the same answers never both pick the
+            types and measure the rate (``--helps-test 0``: the types are judged on the first split, as
+            before 2026-12-05)
   report    ``<out>/report.json`` and a markdown table (printed and written to ``<out>/report.md``)
 
 Measured per checkpoint and mode, from ``keye eval synth``'s records: accuracy (its scoring of the reply's
@@ -27,8 +33,8 @@ answer part, as split by :func:`keye.processing.chat.parse_response`), think rat
 block), mean reply tokens (generated tokens, the closing ``<|im_end|>`` included), all per question type.
 The report compares auto with the better fixed mode (paired per question: mean difference and its
 standard error, sample std / sqrt(n)), divides auto's mean reply tokens by always-think's, and splits the
-question types by whether thinking helps (think accuracy minus no_think accuracy on the held-out set > 0)
-to compare auto's think rate on the two groups.
+question types by whether thinking helps (think accuracy minus no_think accuracy > 0, on the second held-out
+split of ``eval_helps``) to compare auto's think rate on the held-out set between the two groups.
 
 Scale (sized for a 2-core CPU): 1,500 training samples (4,500 rows), 300 held-out questions, 800 SFT
 steps, 200 RL steps of 8 questions; ~25 min in all here (data 22 s, SFT 640 s, RL 755 s, each evaluation
@@ -57,7 +63,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("data", "init", "sft", "eval_sft", "rl", "eval_rl", "report")
+STAGES = ("data", "init", "sft", "eval_sft", "rl", "eval_rl", "eval_helps", "report")
+HELPS_MODES = ("think", "no_think")
 EVAL_MODES = ("think", "no_think", "auto")
 ANALYSIS_TOKENS = ("<analysis>", "</analysis>")
 
@@ -80,6 +87,7 @@ def stage_outputs(out: Path) -> dict[str, list[Path]]:
         "eval_sft": [out / "eval_sft.json", out / "evals" / "sft"],
         "rl": [out / "rl" / "final" / "model.safetensors", out / "rl", out / "rl_skipped.json", out / "rl_data"],
         "eval_rl": [out / "eval_rl.json", out / "evals" / "rl"],
+        "eval_helps": [out / "eval_helps.json", out / "evals" / "helps", out / "helps_data"],
         "report": [out / "report.json", out / "report.md"],
     }
 
@@ -98,20 +106,24 @@ def reset_from(out: Path, stage: str) -> None:
 
 
 def make_data(out: Path, train: int, test: int, seed: int, test_seed: int, workers: int,
-              auto_labels: str = "type", extra_types: dict[str, float] | None = None) -> None:
+              auto_labels: str = "type", extra_types: dict[str, float] | None = None, places: bool = True) -> None:
     """The mode-tagged training rows (``train_modes.jsonl``, auto rows labelled by ``auto_labels``, see
     :func:`keye.data.synth.generate_split`) and the held-out test split (``test/test.jsonl`` from
     ``test_seed``; its labels are never trained on, so it keeps the default labelling and stays the same
     held-out set whatever ``auto_labels``). ``extra_types`` (opt-in question types and weights, e.g.
-    ``{"when_gap": 3.0}``) applies to both splits."""
+    ``{"when_gap": 3.0}``) applies to both splits. ``places`` writes the think traces' captions with place
+    words (:func:`keye.data.synth.describe`), as keye-tiny's build captions them; questions and answers do
+    not depend on it."""
     from keye.data.synth import generate_split
 
     data = out / "data"
     generate_split(data, "train", train, seed=seed, workers=workers, modes=True, auto_labels=auto_labels,
-                   extra_types=extra_types)
-    generate_split(data / "test", "test", test, seed=test_seed, workers=workers, modes=True, extra_types=extra_types)
+                   extra_types=extra_types, places=places)
+    generate_split(data / "test", "test", test, seed=test_seed, workers=workers, modes=True, extra_types=extra_types,
+                   places=places)
     (data / "DONE").write_text(json.dumps({"train": train, "test": test, "seed": seed, "test_seed": test_seed,
-                                           "auto_labels": auto_labels, "extra_types": extra_types}))
+                                           "auto_labels": auto_labels, "extra_types": extra_types,
+                                           "places": places}))
 
 
 def make_rl_data(out: Path, n: int, seed: int, workers: int, extra_types: dict[str, float] | None = None) -> Path:
@@ -126,6 +138,18 @@ def make_rl_data(out: Path, n: int, seed: int, workers: int, extra_types: dict[s
         generate_split(data, "train", n, seed=seed, workers=workers, extra_types=extra_types)
         (data / "DONE").write_text(json.dumps({"questions": n, "seed": seed, "extra_types": extra_types}))
     return data / "train.jsonl"
+
+
+def make_helps_data(out: Path, n: int, seed: int, workers: int, extra_types: dict[str, float] | None = None) -> Path:
+    """The second held-out split (``--helps-test`` questions of seed ``--helps-seed``'s test split, same
+    ``extra_types``) in ``<out>/helps_data/test.jsonl``; reused when complete."""
+    from keye.data.synth import generate_split
+
+    data = out / "helps_data"
+    if not (data / "DONE").is_file():
+        generate_split(data, "test", n, seed=seed, workers=workers, extra_types=extra_types)
+        (data / "DONE").write_text(json.dumps({"questions": n, "seed": seed, "extra_types": extra_types}))
+    return data / "test.jsonl"
 
 
 def make_init(out: Path, policy: str) -> None:
@@ -245,8 +269,11 @@ def paired(a: dict[str, bool], b: dict[str, bool]) -> dict[str, float]:
     return {"diff": res["diff"], "se": res["se"] if res["se"] is not None else 0.0, "n": res["n"]}
 
 
-def analyse(ev: dict[str, Any]) -> dict[str, Any]:
-    """The acceptance figures of one evaluated checkpoint (see the module docstring)."""
+def analyse(ev: dict[str, Any], helps_ev: dict[str, Any] | None = None, helps_source: str = "") -> dict[str, Any]:
+    """The acceptance figures of one evaluated checkpoint (see the module docstring). With ``helps_ev``
+    (the same checkpoint's think and no_think records on another split, ``helps_source`` naming it) the
+    types where thinking helps are judged there, and only auto's think rates come from ``ev``; without it
+    both come from ``ev``."""
     recs = ev["records"]
     summ = summarise(recs)
     by_mode = {m: {r["id"]: r["correct"] for r in recs if r["mode"] == m} for m in EVAL_MODES}
@@ -256,6 +283,12 @@ def analyse(ev: dict[str, Any]) -> dict[str, Any]:
     types = sorted(summ["auto"]["question_type"])
     helps = {t: summ["think"]["question_type"][t]["accuracy"] - summ["no_think"]["question_type"][t]["accuracy"]
              for t in types}
+    same_set = dict(helps)
+    if helps_ev is not None:
+        other = summarise(helps_ev["records"])
+        # a type the other split never asked counts as one where thinking does not help
+        helps = {t: (other["think"]["question_type"][t]["accuracy"] - other["no_think"]["question_type"][t]["accuracy"])
+                 if t in other["think"]["question_type"] else 0.0 for t in types}
     qtype = {r["id"]: r["question_type"] for r in recs}
     auto = [r for r in recs if r["mode"] == "auto"]
     help_rs = [r for r in auto if helps[qtype[r["id"]]] > 0]
@@ -273,6 +306,9 @@ def analyse(ev: dict[str, Any]) -> dict[str, Any]:
             "think": _mean([float(r["tokens"]) for r in auto if r["thought"]]),
             "direct": _mean([float(r["tokens"]) for r in auto if not r["thought"]])},
         "think_helps_by_type": helps,
+        "think_helps_judged_on": helps_source if helps_ev is not None else "the held-out set itself",
+        "think_helps_by_type_same_set": same_set,
+        "helps_split_n": helps_ev["n"] if helps_ev is not None else None,
         "auto_think_rate_by_type": {t: summ["auto"]["question_type"][t]["think_rate"] for t in types},
         "auto_think_rate_where_thinking_helps": {"rate": rate_help, "n": len(help_rs),
                                                  "types": [t for t in types if helps[t] > 0]},
@@ -311,11 +347,21 @@ def markdown(results: dict[str, dict[str, Any]], n: int) -> str:
     last = list(results)[-1]
     res = results[last]
     types = list(res["think_helps_by_type"])
-    lines += ["", f"Per question type ({last}): think - no_think accuracy (pp) and auto's think rate (%)", "",
-              "| type | n | think - no_think | auto think rate |", "|---|---|---|---|"]
-    for t in types:
-        lines.append(f"| {t} | {res['summary']['auto']['question_type'][t]['n']} | "
-                     f"{100 * res['think_helps_by_type'][t]:+.1f} | {pct(res['auto_think_rate_by_type'][t])} |")
+    judged = res.get("think_helps_judged_on", "the held-out set itself")
+    lines += ["", f"Where thinking helps (think - no_think accuracy > 0 per question type) is judged on {judged}.", "",
+              f"Per question type ({last}): think - no_think accuracy (pp) and auto's think rate (%)", ""]
+    if res.get("helps_split_n"):
+        lines += ["| type | n | think - no_think | think - no_think (other split) | auto think rate |",
+                  "|---|---|---|---|---|"]
+        for t in types:
+            lines.append(f"| {t} | {res['summary']['auto']['question_type'][t]['n']} | "
+                         f"{100 * res['think_helps_by_type_same_set'][t]:+.1f} | {100 * res['think_helps_by_type'][t]:+.1f} | "
+                         f"{pct(res['auto_think_rate_by_type'][t])} |")
+    else:
+        lines += ["| type | n | think - no_think | auto think rate |", "|---|---|---|---|"]
+        for t in types:
+            lines.append(f"| {t} | {res['summary']['auto']['question_type'][t]['n']} | "
+                         f"{100 * res['think_helps_by_type'][t]:+.1f} | {pct(res['auto_think_rate_by_type'][t])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -331,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test", type=int, default=300, help="held-out questions")
     ap.add_argument("--seed", type=int, default=0, help="training seed (keye-tiny's build seed)")
     ap.add_argument("--test-seed", type=int, default=303, help="held-out seed (never trained on)")
+    ap.add_argument("--helps-seed", type=int, default=404,
+                    help="seed of the second held-out split that judges where thinking helps")
+    ap.add_argument("--helps-test", type=int, default=300,
+                    help="questions of that split (0: judge on the held-out set itself)")
     ap.add_argument("--sft-steps", type=int, default=800, help="SFT steps (~3.4 epochs of the 4,500 rows)")
     ap.add_argument("--rl-steps", type=int, default=200, help="AutoThink RL steps (8 questions each)")
     ap.add_argument("--rl-seed", type=int, default=None,
@@ -345,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-type", action="append", default=[], metavar="TYPE=WEIGHT",
                     help="also draw an opt-in question type in both splits, e.g. when_gap=3 (a two-step question "
                          "whose think trace writes the subtraction out); repeatable")
+    ap.add_argument("--no-places", dest="places", action="store_false",
+                    help="think traces without place words (the runs before 2026-12-05; keye-tiny's build "
+                         "captions with them, build_tiny.py --no-caption-places)")
     ap.add_argument("--quick", action="store_true",
                     help="test-sized: 12 training samples, 6 questions, 2 SFT steps, 1 RL step")
     ap.add_argument("--from-stage", choices=STAGES, default=None, help="redo this stage and every later one")
@@ -356,10 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.rl_seed is not None and args.rl_seed in (args.seed, args.test_seed):
         ap.error(f"--rl-seed {args.rl_seed} must differ from --seed ({args.seed}) and --test-seed ({args.test_seed}): "
                  "the RL questions are meant to be new to the SFT and the held-out set is never trained on")
+    if args.helps_test and args.helps_seed in (args.seed, args.test_seed, args.rl_seed):
+        ap.error(f"--helps-seed {args.helps_seed} must differ from --seed, --test-seed and --rl-seed: its split "
+                 "judges the types on questions neither trained on nor used for the other figures")
+    if args.helps_test < 0:
+        ap.error(f"--helps-test must be >= 0, got {args.helps_test}")
     if args.rl_questions < 1:
         ap.error(f"--rl-questions must be >= 1, got {args.rl_questions}")
     if args.quick:
         args.train, args.test, args.sft_steps, args.rl_steps, args.workers = 12, 6, 2, 1, 0
+        args.helps_test = min(args.helps_test, 6)
         args.rl_questions = min(args.rl_questions, 12)
     out = Path(args.out)
     if not out.is_absolute():
@@ -385,8 +444,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not skip("data"):
         s = time.perf_counter()
-        make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers, args.auto_labels, extra)
-        mark("data", s, train=args.train, test=args.test, auto_labels=args.auto_labels, extra_types=extra)
+        make_data(out, args.train, args.test, args.seed, args.test_seed, args.workers, args.auto_labels, extra,
+                  args.places)
+        mark("data", s, train=args.train, test=args.test, auto_labels=args.auto_labels, extra_types=extra,
+             places=args.places)
     if not skip("init"):
         s = time.perf_counter()
         make_init(out, args.policy)
@@ -427,9 +488,29 @@ def main(argv: list[str] | None = None) -> int:
         outputs["eval_rl"][0].write_text(json.dumps(ev))
         mark("eval_rl", s)
 
-    results = {"after SFT": analyse(json.loads(outputs["eval_sft"][0].read_text()))}
+    checkpoints = {"sft": out / "sft" / "final"}
     if outputs["eval_rl"][0].exists():
-        results["after AutoThink RL"] = analyse(json.loads(outputs["eval_rl"][0].read_text()))
+        checkpoints["rl"] = out / "rl" / "final"
+    helps_on = f"a second held-out split ({args.helps_test} questions, seed {args.helps_seed})"
+    if args.helps_test and not skip("eval_helps"):
+        s = time.perf_counter()
+        helps_test = make_helps_data(out, args.helps_test, args.helps_seed, args.workers, extra)
+        evs = {name: evaluate(ckpt, helps_test, HELPS_MODES, out=out / "evals" / "helps" / name, **ev_kw)
+               for name, ckpt in checkpoints.items()}
+        outputs["eval_helps"][0].write_text(json.dumps({"split": helps_on, **evs}))
+        mark("eval_helps", s, questions=args.helps_test, seed=args.helps_seed)
+    helps: dict[str, Any] = {}
+    if args.helps_test and outputs["eval_helps"][0].exists():
+        helps = json.loads(outputs["eval_helps"][0].read_text())
+        if set(checkpoints) - set(helps):  # RL finished after the split was judged: judge it for RL too
+            helps["rl"] = evaluate(checkpoints["rl"], out / "helps_data" / "test.jsonl", HELPS_MODES,
+                                   out=out / "evals" / "helps" / "rl", **ev_kw)
+            outputs["eval_helps"][0].write_text(json.dumps(helps))
+    results = {"after SFT": analyse(json.loads(outputs["eval_sft"][0].read_text()), helps.get("sft"),
+                                    helps.get("split", ""))}
+    if "rl" in checkpoints:
+        results["after AutoThink RL"] = analyse(json.loads(outputs["eval_rl"][0].read_text()), helps.get("rl"),
+                                                helps.get("split", ""))
     n = json.loads(outputs["eval_sft"][0].read_text())["n"]
     report = {"config": {k: v for k, v in vars(args).items() if k != "from_stage"}, "n_test": n,
               "rl": "done" if "after AutoThink RL" in results else "pending (keye.rl.autothink not available)",

@@ -110,6 +110,9 @@ def test_rl_questions_from_their_own_seed(tmp_path):
     for seed in ("0", "303"):  # the build seed's questions are the SFT's; the test seed's are held out
         with pytest.raises(SystemExit):
             exp.main(["--quick", "--out", str(tmp_path / "bad"), "--rl-seed", seed])
+    for flags in (["--helps-seed", "303"], ["--helps-seed", "505", "--rl-seed", "505"], ["--helps-test", "-1"]):
+        with pytest.raises(SystemExit):  # the judging split is its own seed's
+            exp.main(["--quick", "--out", str(tmp_path / "bad"), *flags])
     assert not (tmp_path / "bad" / "data").exists()
 
 
@@ -133,13 +136,17 @@ def test_quick_run_end_to_end_resumes_and_redoes_from_a_stage(tmp_path, capsys):
     else:
         assert "not available" in json.loads((out / "rl_skipped.json").read_text())["skipped"]
         assert report["rl"].startswith("pending")
+    helps = json.loads((out / "eval_helps.json").read_text())  # the second split judged every checkpoint
+    assert set(helps) == {"split", "sft", *(["rl"] if exp.rl_available() else [])}
+    assert {r["mode"] for r in helps["sft"]["records"]} == set(exp.HELPS_MODES) and helps["sft"]["n"] == 6
+    assert res["think_helps_judged_on"] == helps["split"] and "seed 404" in helps["split"]
     capsys.readouterr()
 
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "eval_sft.json", out / "sft" / "final" / "model.safetensors",
-                                                 out / "data" / "train_modes.jsonl")}
+                                                 out / "data" / "train_modes.jsonl", out / "eval_helps.json")}
     assert exp.main(["--quick", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    for stage in ("data", "init", "sft", "eval_sft", "rl"):
+    for stage in ("data", "init", "sft", "eval_sft", "rl", "eval_helps"):
         assert f"[{stage}] done already" in printed
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
 
@@ -147,6 +154,7 @@ def test_quick_run_end_to_end_resumes_and_redoes_from_a_stage(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "[eval_sft] running" in printed and "[sft] done already" in printed
     assert (out / "eval_sft.json").stat().st_mtime_ns != mtimes[out / "eval_sft.json"]
+    assert (out / "eval_helps.json").stat().st_mtime_ns != mtimes[out / "eval_helps.json"]  # a later stage
     assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == \
         mtimes[out / "sft" / "final" / "model.safetensors"]
 
@@ -158,3 +166,25 @@ def test_quick_run_end_to_end_resumes_and_redoes_from_a_stage(tmp_path, capsys):
         cfg = yaml.safe_load((out / "rl" / "config.yaml").read_text())
         assert cfg["data"]["manifest"] == str(out / "rl_data" / "train.jsonl")
         assert json.loads((out / "stages.json").read_text())["rl"]["rl_seed"] == 505
+
+
+def test_types_where_thinking_helps_can_be_judged_on_another_split():
+    # On the other split thinking helps colour (think 2/2, direct 0/2) and not count (1/2 vs 2/2): the
+    # groups swap, auto's think rates still come from the held-out set itself.
+    other = [_rec("o0", "color", "think", True, True, 30), _rec("o0", "color", "no_think", False, False, 2),
+             _rec("o1", "color", "think", True, True, 30), _rec("o1", "color", "no_think", False, False, 2),
+             _rec("o2", "count", "think", False, True, 30), _rec("o2", "count", "no_think", True, False, 2),
+             _rec("o3", "count", "think", True, True, 30), _rec("o3", "count", "no_think", True, False, 2)]
+    res = exp.analyse(_eval(), {"n": 4, "records": other}, "seed 9")
+    assert res["think_helps_by_type"] == pytest.approx({"count": -0.5, "color": 1.0})
+    assert res["think_helps_by_type_same_set"] == pytest.approx({"count": 0.75, "color": -0.25})
+    assert res["auto_think_rate_where_thinking_helps"] == {"rate": pytest.approx(0.25), "n": 4, "types": ["color"]}
+    assert res["auto_think_rate_where_it_does_not"]["rate"] == pytest.approx(0.75)
+    assert not res["targets"]["auto_thinks_more_where_it_helps"]
+    assert res["think_helps_judged_on"] == "seed 9" and res["helps_split_n"] == 4
+    md = exp.markdown({"after SFT": res}, 8)
+    assert "judged on seed 9." in md and "| count | 4 | +75.0 | -50.0 | 75.0 |" in md
+    # a type the other split never asked is one where thinking does not help
+    res = exp.analyse(_eval(), {"n": 2, "records": other[:4]}, "seed 9")
+    assert res["think_helps_by_type"]["count"] == 0.0
+    assert "the held-out set itself" in exp.markdown({"after SFT": exp.analyse(_eval())}, 8)
