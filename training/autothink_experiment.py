@@ -37,8 +37,9 @@ question types by whether thinking helps (think accuracy minus no_think accuracy
 split of ``eval_helps``) to compare auto's think rate on the held-out set between the two groups.
 
 Scale (sized for a 2-core CPU): 1,500 training samples (4,500 rows), 300 held-out questions, 800 SFT
-steps, 200 RL steps of 8 questions; ~25 min in all here (data 22 s, SFT 640 s, RL 755 s, each evaluation
-~30 s). The README table is ``<out>/report.md``.
+steps, 200 RL steps of 8 questions; ~25 min in all here on one thread alone (data 22 s, SFT 640 s, RL 755 s,
+each evaluation ~30 s; two runs side by side on the two cores: ~32 min each, eval_helps ~60 s). The README
+table is ``<out>/report.md``.
 
 Usage:
   python training/autothink_experiment.py                       # the experiment, runs/autothink
