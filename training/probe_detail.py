@@ -5,9 +5,9 @@ second among bigger shapes, and asks which of four shapes it is. Keye-VL-1.5's s
 the resolution of each sampled frame: a frame stays *fast* (30 % of a key frame's tokens) while at least
 90 % of its 28 x 28 patches look like the last key frame's, and a shape that small changes only a patch or
 two. This probe rebuilds each detail scene of a synthetic split (:func:`keye.data.synth.sample_scene`,
-the exact scene of the manifest row), renders and decodes the clip as the product does, classifies the
-sampled frames and budgets their sizes with a checkpoint's video defaults (keye-tiny's unless ``--model``
-or the overrides say otherwise), and reports per clip:
+the exact scene of the manifest row), renders the clip and runs it through a checkpoint's processor
+(keye-tiny's unless ``--model`` says otherwise; its video defaults plus the overrides below), and reads off
+the processor's per-frame record which frames are key frames and at what size; it reports per clip:
 
 * whether any frame showing the tiny shape is a key (slow) frame;
 * the tiny shape's diameter in the resized frame the model gets, in pixels and in 14-px patches (the
@@ -37,32 +37,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 PATCH = 14
 
 
-def video_defaults(model: str) -> dict[str, Any]:
-    """The ``video_defaults`` of a checkpoint's ``preprocessor_config.json`` (``keye-tiny`` resolves to
-    the embedded checkpoint); ``{}`` when it has none."""
+def load_processor(model: str) -> Any:
+    """The processor of a checkpoint (``keye-tiny`` resolves to the embedded one): its ``video_defaults``
+    are the video options the probe measures under, as the model sees its clips."""
+    from keye.processing.processor import KeyeProcessor
     from keye.tiny import resolve_model_path
 
-    path = Path(resolve_model_path(model)) / "preprocessor_config.json"
-    if not path.is_file():
-        raise SystemExit(f"{path}: no preprocessor_config.json (is --model a local checkpoint directory?)")
-    return dict(json.loads(path.read_text()).get("video_defaults", {}))
+    return KeyeProcessor.from_pretrained(resolve_model_path(model))
 
 
-def probe_scene(scene: Any, defaults: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Render one detail ``scene`` to ``workdir``, decode and classify it as the processor does under
-    ``defaults`` (video options), and measure the tiny white shape (the scene's only white object; detail
-    distractors are never white) in the frames that show it."""
+def probe_scene(scene: Any, processor: Any, workdir: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Render one detail ``scene`` to ``workdir``, run it through ``processor`` (``overrides``: video item
+    options on top of its defaults, e.g. ``{"max_pixels": 50176}``), and measure the tiny white shape (the
+    scene's only white object; detail distractors are never white) in the frames that show it, from the
+    processor's per-frame record (:class:`keye.processing.processor.VideoMeta`)."""
     from keye.data.synth import write_video
-    from keye.processing.image import V1_5
-    from keye.processing.slowfast import FAST, classify_frames, slowfast_sizes
-    from keye.processing.video import VideoOptions, fetch_video
 
     tiny = [o for o in scene.objects if o.color == "white"]
     if scene.question_type != "detail" or len(tiny) != 1:
@@ -70,25 +63,20 @@ def probe_scene(scene: Any, defaults: dict[str, Any], workdir: Path) -> dict[str
     tiny = tiny[0]
     path = workdir / "clip.mp4"
     write_video(path, scene)
-    opts = VideoOptions.from_item({"type": "video", "video": str(path), **defaults})
-    video = fetch_video(str(path), opts, variant=V1_5)
-    frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2)
-    # As the processor: without the slow-fast split every frame is a key frame.
-    types = classify_frames(frames, opts.min_frame_similarity) if opts.slow_fast else np.zeros(len(frames), np.int32)
-    n_fast = int((types == FAST).sum())
-    sizes = slowfast_sizes(len(types) - n_fast, n_fast, frames.shape[2], frames.shape[3],
-                           min_pixels=opts.min_pixels, max_pixels=opts.max_pixels,
-                           total_pixels=opts.total_pixels, floor_pixels=opts.floor_pixels)
-    showing = [j for j, t in enumerate(video.timestamps) if tiny.t_appear <= t < tiny.t_vanish]
-    slow_seen = any(types[j] != FAST for j in showing)
-    hw = sizes.slow_hw if slow_seen or not n_fast else sizes.fast_hw
-    scale = hw[0] / frames.shape[2]
-    diameter = 2 * tiny.size * scale
+    item = {"type": "video", "video": str(path), **(overrides or {})}
+    meta = processor([{"role": "user", "content": [item, {"type": "text", "text": "?"}]}]).video_meta[0]
+    showing = [j for j, t in enumerate(meta.timestamps) if tiny.t_appear <= t < tiny.t_vanish]
+    slow_seen = any(meta.frame_types[j] == "slow" for j in showing)
+    # the best frame showing it: a key frame when there is one
+    best = next((j for j in showing if meta.frame_types[j] == "slow"), showing[0] if showing else 0)
+    source_h = scene.height
+    seen_h, seen_w = (g * PATCH for g in meta.frame_grids[best][1:])
+    diameter = 2 * tiny.size * seen_h / source_h
     return {
-        "frames": len(types), "key_frames": len(types) - n_fast, "frames_showing": len(showing),
-        "slow_seen": slow_seen, "source_hw": [int(frames.shape[2]), int(frames.shape[3])],
-        "seen_hw": list(hw), "diameter_px": round(diameter, 2), "diameter_patches": round(diameter / PATCH, 3),
-        "tokens_of_frame": (hw[0] // PATCH) * (hw[1] // PATCH) // 4,
+        "frames": len(meta.frame_types), "key_frames": meta.frame_types.count("slow"),
+        "frames_showing": len(showing), "slow_seen": slow_seen, "source_hw": [scene.height, scene.width],
+        "seen_hw": [seen_h, seen_w], "diameter_px": round(diameter, 2), "diameter_patches": round(diameter / PATCH, 3),
+        "tokens_of_frame": meta.frame_tokens[best],
     }
 
 
@@ -126,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from keye.data.synth import sample_scene
 
-    defaults = video_defaults(args.model)
+    processor = load_processor(args.model)
+    overrides: dict[str, Any] = {}
     for key, value in (("max_pixels", args.max_pixels), ("min_frame_similarity", args.min_frame_similarity)):
         if value is not None:
-            defaults[key] = value
+            overrides[key] = value
     if args.no_slow_fast:
-        defaults["slow_fast"] = False
+        overrides["slow_fast"] = False
     judged: dict[str, bool] = {}
     if args.eval is not None:
         path = args.eval / "judgements.jsonl"
@@ -144,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             scene = sample_scene(args.seed, args.split, i)
             if scene.question_type != "detail":
                 continue
-            rec = {"id": f"{args.split}-{i:06d}", **probe_scene(scene, defaults, Path(tmp))}
+            rec = {"id": f"{args.split}-{i:06d}", **probe_scene(scene, processor, Path(tmp), overrides)}
             if rec["id"] in judged:
                 rec["correct"] = judged[rec["id"]]
             records.append(rec)
@@ -155,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "detail_probe.json").write_text(json.dumps(
-            {"config": {k: str(v) for k, v in vars(args).items()}, "video_defaults": defaults,
+            {"config": {k: str(v) for k, v in vars(args).items()}, "video_defaults": {**processor.image_processor.config.video_defaults, **overrides},
              "summary": summary, "records": records}, indent=1))
     for name, part in summary.items():
         print(f"{name}: {json.dumps(part)}")

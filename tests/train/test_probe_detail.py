@@ -16,7 +16,13 @@ _spec = importlib.util.spec_from_file_location("probe_detail", REPO / "training/
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 
-TINY_VIDEO = {"max_pixels": 12544, "floor_pixels": 3136, "fps": 2.0, "max_frames": 16}
+
+
+@pytest.fixture(scope="module")
+def processor():
+    proc = probe.load_processor("keye-tiny")
+    assert proc.image_processor.config.video_defaults["max_pixels"] == 12544  # what the sizes below assume
+    return proc
 
 
 def _detail_index(seed: int, width: int) -> int:
@@ -36,15 +42,15 @@ def test_sample_scene_is_the_scene_of_the_manifest_row(tmp_path):
         assert row["messages"][0]["content"][1]["text"] == scene.question
 
 
-def test_a_key_frame_shows_the_tiny_shape_at_its_budgeted_size(tmp_path):
+def test_a_key_frame_shows_the_tiny_shape_at_its_budgeted_size(tmp_path, processor):
     i = _detail_index(0, 112)  # 112 x 112 fits the 12,544-pixel budget: key frames keep their size
     scene = sample_scene(0, "test", i)
     tiny = next(o for o in scene.objects if o.color == "white")
-    strict = probe.probe_scene(scene, {**TINY_VIDEO, "slow_fast": False}, tmp_path)
+    strict = probe.probe_scene(scene, processor, tmp_path, {"slow_fast": False})
     assert strict["slow_seen"] and strict["seen_hw"] == [112, 112]
     assert strict["diameter_px"] == pytest.approx(2 * tiny.size, abs=0.01)
     assert strict["frames_showing"] == 2 and strict["key_frames"] == strict["frames"]  # 1 s at 2 fps
-    default = probe.probe_scene(scene, TINY_VIDEO, tmp_path)
+    default = probe.probe_scene(scene, processor, tmp_path)
     assert default["key_frames"] <= strict["key_frames"]
     ratio = default["seen_hw"][0] / default["source_hw"][0]
     assert default["diameter_px"] == pytest.approx(2 * tiny.size * ratio, abs=0.01)
@@ -52,7 +58,7 @@ def test_a_key_frame_shows_the_tiny_shape_at_its_budgeted_size(tmp_path):
         assert default["diameter_px"] < strict["diameter_px"]
     with pytest.raises(ValueError, match="not a detail scene"):
         probe.probe_scene(sample_scene(0, "test", i + 1 if sample_scene(0, "test", i + 1).question_type != "detail"
-                                       else i + 2), TINY_VIDEO, tmp_path)
+                                       else i + 2), processor, tmp_path)
 
 
 def test_summary_splits_by_key_frame_and_scores_the_judged():
