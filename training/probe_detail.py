@@ -37,7 +37,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 PATCH = 14
 
 
@@ -66,12 +65,13 @@ def probe_scene(scene: Any, processor: Any, workdir: Path, overrides: dict[str, 
     item = {"type": "video", "video": str(path), **(overrides or {})}
     meta = processor([{"role": "user", "content": [item, {"type": "text", "text": "?"}]}]).video_meta[0]
     showing = [j for j, t in enumerate(meta.timestamps) if tiny.t_appear <= t < tiny.t_vanish]
+    if not showing:
+        raise ValueError(f"no sampled frame shows the tiny shape ({tiny.t_appear}-{tiny.t_vanish} s)")
     slow_seen = any(meta.frame_types[j] == "slow" for j in showing)
     # the best frame showing it: a key frame when there is one
-    best = next((j for j in showing if meta.frame_types[j] == "slow"), showing[0] if showing else 0)
-    source_h = scene.height
+    best = next((j for j in showing if meta.frame_types[j] == "slow"), showing[0])
     seen_h, seen_w = (g * PATCH for g in meta.frame_grids[best][1:])
-    diameter = 2 * tiny.size * seen_h / source_h
+    diameter = 2 * tiny.size * seen_h / scene.height
     return {
         "frames": len(meta.frame_types), "key_frames": meta.frame_types.count("slow"),
         "frames_showing": len(showing), "slow_seen": slow_seen, "source_hw": [scene.height, scene.width],
@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(records)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+        options = {**processor.image_processor.config.video_defaults, **overrides}
         (args.out / "detail_probe.json").write_text(json.dumps(
-            {"config": {k: str(v) for k, v in vars(args).items()}, "video_defaults": {**processor.image_processor.config.video_defaults, **overrides},
+            {"config": {k: str(v) for k, v in vars(args).items()}, "video_defaults": options,
              "summary": summary, "records": records}, indent=1))
     for name, part in summary.items():
         print(f"{name}: {json.dumps(part)}")
