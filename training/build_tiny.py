@@ -42,8 +42,10 @@ to the letter), because a model of this size does not learn the perceived-word -
 budget (training/probe_mc.py).
 
 Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 800]
-           [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--no-caption-places] [--install]
-           [stage2 overrides ...]
+           [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--no-caption-places]
+           [--detail-cut] [--position-weight W] [--install] [stage2 overrides ...]
+       (--detail-cut and --position-weight are the synthetic set's opt-in scene options; they change the
+       training set and the test splits alike, so start from an empty data/synth)
        python training/build_tiny.py --report-only
 """
 
@@ -259,6 +261,10 @@ def main() -> int:
                     help="also evaluate on the build's own (seed 0) test split, not only the unseen seeds")
     ap.add_argument("--no-caption-places", dest="caption_places", action="store_false",
                     help="captions without place words (the build before 2026-12-05; see describe(places=...))")
+    ap.add_argument("--detail-cut", action="store_true",
+                    help="synthetic set option: detail scenes put the tiny shape in a key frame (keye.data.synth)")
+    ap.add_argument("--position-weight", type=float, default=1.0,
+                    help="synthetic set option: the position type's weight among the image types")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
     ap.add_argument("--report-only", action="store_true", help="print the tables of runs/tiny/build_report.json")
     ap.add_argument("overrides", nargs="*", help="extra stage-2 SFT overrides (key=value)")
@@ -270,10 +276,11 @@ def main() -> int:
     if 0 in args.unseen_seeds:
         ap.error("--unseen-seeds: 0 is the build's own seed")
     synth = REPO / "data/synth"
+    scene_options = {"detail_cut": args.detail_cut, "position_weight": args.position_weight}
     if not (synth / "test.jsonl").is_file():
         from keye.data.synth import generate
 
-        generate(synth, train=args.train, test=args.test, seed=0, places=args.caption_places)
+        generate(synth, train=args.train, test=args.test, seed=0, places=args.caption_places, **scene_options)
     if not (synth / "warmup.jsonl").is_file():
         from keye.data.synth import generate_split
 
@@ -284,7 +291,7 @@ def main() -> int:
         if not path.is_file():
             from keye.data.synth import generate_split
 
-            generate_split(path.parent, "test", args.unseen_test, seed=seed)
+            generate_split(path.parent, "test", args.unseen_test, seed=seed, **scene_options)
         tests[f"unseen seed {seed}"] = path
     stage1 = synth / "stage1.jsonl"
     if not stage1.is_file():  # stage 1 data: large-object warm-up images and the clips' captions

@@ -54,6 +54,10 @@ def add_commands(subparsers: Any) -> None:
                         "e.g. when_gap=3; repeatable")
     p.add_argument("--places", action="store_true",
                    help="the captions also say where each object is (its 3 x 3 grid cell: top left ... bottom right)")
+    p.add_argument("--detail-cut", action="store_true",
+                   help="detail scenes: the tiny shape arrives with its distractors, so a key frame shows it")
+    p.add_argument("--position-weight", type=float, default=1.0,
+                   help="weight of the position type among the image types (default 1, as the others)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -201,7 +205,7 @@ def _synth(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         warmup=args.warmup,
         modes=args.modes, auto_labels=args.auto_labels, extra_types=parse_type_weights(args.extra_type),
-        places=args.places,
+        places=args.places, detail_cut=args.detail_cut, position_weight=args.position_weight,
     )
     dt = time.perf_counter() - t0
     n = args.train + args.test

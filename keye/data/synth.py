@@ -18,7 +18,7 @@ when_appear    numeric the second at which an object appears (timestamps)
 when_change    numeric the second at which an object changes colour
 when_collide   numeric the second at which two objects touch (they bounce apart)
 when_leave     numeric the second at which an object has fully left the frame
-detail         mc      shape of a tiny object shown for ~1 s (high-resolution key frame)
+detail         mc      shape of a tiny object shown for ~1 s (with ``detail_cut``: in a key frame)
 position       mc      (image-only) whether one object is left or right of another
 when_gap       numeric (opt-in) how many whole seconds after one object the other appears
 when_sum       numeric (opt-in) the sum of the (whole-second) times at which three objects appear
@@ -31,6 +31,15 @@ difference; its think-mode trace writes the subtraction out (``"; 4.0 - 1.0 = 3.
 two additions over three appearance times (``"; 1.0 + 2.0 = 3.0; 3.0 + 4.0 = 7.0"``): answered directly it
 is a function of three perceived numbers, step by step two small additions. They are the AutoThink
 experiment's candidates for a type on which writing the steps helps a small model.
+
+Two opt-in scene options leave the default set unchanged. ``detail_cut`` (``keye data synth --detail-cut``)
+redraws the detail scenes so that their answer reaches the model at key-frame resolution: by default the tiny
+shape (radius 6 % of the short side) appears alone, mid-clip, and Keye-VL-1.5's slow-fast rule keeps every
+frame showing it a 2-4-token fast frame (a frame becomes a key frame only when over 10 % of its patches
+change; ``training/probe_detail.py``); with the option the two or three big distractors come on screen with
+it (a scene change, so that frame is a key frame) and it is a little larger (radius 7.5 %, still under half
+the smallest distractor's). ``position_weight`` (``--position-weight``) weighs the image-only position type
+against the three other image types (default 1: 2.5 % of the rows).
 
 Event times sit on a 0.5 s grid (every fps used is a multiple of 2), so numeric "when" answers are exact
 at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) for lenient scoring.
@@ -289,8 +298,9 @@ def _distinct_objects(rng: np.random.Generator, k: int, avoid: tuple[str, ...] =
     return list(zip(shapes, colors))
 
 
-def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
-    """Draw one scene (video unless ``image``) with a question of type ``qtype``; see the module table."""
+def make_scene(rng: np.random.Generator, qtype: str, image: bool, detail_cut: bool = False) -> Scene:
+    """Draw one scene (video unless ``image``) with a question of type ``qtype``; see the module table
+    (``detail_cut``: the detail scene variant in which the tiny shape arrives with its distractors)."""
     w, h = (int(rng.choice(SIDES)), int(rng.choice(SIDES)))
     side = min(w, h)
     fps = 0 if image else int(rng.choice(FPS_CHOICES))
@@ -306,8 +316,8 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
     choices: list[str] | None = None
     tol: float | None = None
 
-    def static(shape: str, color: str, hi: float | None = None, **kw: Any) -> Obj:
-        r = float(rng.uniform(r_lo, hi or r_hi))
+    def static(shape: str, color: str, hi: float | None = None, lo: float | None = None, **kw: Any) -> Obj:
+        r = float(rng.uniform(lo or r_lo, hi or r_hi))
         x, y = _free_pos(rng, w, h, r, taken)
         o = Obj(shape, color, r, x, y, **kw)
         objs.append(o)
@@ -471,6 +481,21 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool) -> Scene:
             events.append({"t": t_a, "event": "appear", "object": o.name})
         ans, kind, tol = f"{sum(times):.1f}", "numeric", GRID
         text = "What is the sum of the times (in seconds) at which the three shapes appear? Answer with a number."
+    elif qtype == "detail" and detail_cut:
+        # The tiny shape arrives together with two or three big distractors: a scene change, so its first
+        # frame is a key frame under the slow-fast rule (alone it changes too few patches to start one).
+        t_a = _grid_time(rng, 0, duration - 1.0)
+        for s2, c2 in _distinct_objects(rng, int(rng.integers(2, 4)), avoid=("white",)):
+            static(s2, c2, lo=side / 6, t_appear=t_a)
+        s = str(rng.choice(SHAPES))
+        r = max(5.0, side * 0.075)
+        x, y = _free_pos(rng, w, h, r, taken)
+        tiny = Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0)
+        objs.append(tiny)
+        events.append({"t": t_a, "event": "appear", "object": "tiny white " + s})
+        choices, ans = _mc(rng, s, list(SHAPES))
+        text = _mc_text("A tiny white shape is shown briefly. What shape is it?", choices)
+        kind = "mc"
     elif qtype == "detail":
         # A tiny shape (about 6% of the frame side) visible for 1 s among big distractors: the answer is in
         # the high-resolution detail of the few frames that show it.
@@ -735,6 +760,12 @@ def make_warmup_sample(out_dir: str, split: str, index: int, seed: int, image_fr
     }
 
 
+def _image_types(position_weight: float) -> dict[str, float]:
+    if not (math.isfinite(position_weight) and position_weight > 0):
+        raise KeyeConfigError(f"position_weight must be > 0, got {position_weight}")
+    return {**IMAGE_TYPES, "position": float(position_weight)}
+
+
 def _check_extra_types(extra_types: dict[str, float] | None) -> dict[str, float]:
     extra = dict(extra_types or {})
     for name, weight in extra.items():
@@ -747,24 +778,27 @@ def _check_extra_types(extra_types: dict[str, float] | None) -> dict[str, float]
 
 
 def sample_scene(seed: int, split: str, index: int, image_fraction: float = 0.1,
-                 extra_types: dict[str, float] | None = None) -> Scene:
+                 extra_types: dict[str, float] | None = None, detail_cut: bool = False,
+                 position_weight: float = 1.0) -> Scene:
     """The scene (objects, question, answer) of sample ``index`` of ``split``, exactly as
     :func:`make_sample` draws it with the same arguments, without rendering anything: what a probe needs
     to know about a row beyond its manifest (each object's size and path).
 
     Raises:
-        KeyeConfigError: an unknown extra type, or an extra type's weight <= 0.
+        KeyeConfigError: an unknown extra type, an extra type's weight <= 0, or ``position_weight`` <= 0.
     """
     extra = _check_extra_types(extra_types)
+    images = _image_types(position_weight)
     rng = sample_rng(seed, split, index)
     image = bool(rng.random() < image_fraction)
-    qtype = _weighted(rng, IMAGE_TYPES if image else {**VIDEO_TYPES, **extra})
-    return make_scene(rng, qtype, image)
+    qtype = _weighted(rng, images if image else {**VIDEO_TYPES, **extra})
+    return make_scene(rng, qtype, image, detail_cut)
 
 
 def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction: float,
                 modes: bool = False, auto_labels: str = "type",
-                extra_types: dict[str, float] | None = None, places: bool = False) -> dict[str, Any]:
+                extra_types: dict[str, float] | None = None, places: bool = False, detail_cut: bool = False,
+                position_weight: float = 1.0) -> dict[str, Any]:
     """Render sample ``index`` of ``split`` into ``out_dir/media/<split>/`` and return its manifest row.
 
     The row's media path is relative to ``out_dir`` (the manifest root). With ``modes`` the row also has
@@ -772,12 +806,14 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
     one of :data:`AUTO_LABELS`); the rest is identical. ``extra_types`` adds opt-in video question types
     (:data:`EXTRA_VIDEO_TYPES`) with their weights to the video types' table; without it the sample is
     the default set's. ``places`` writes the caption (and the think traces) with places (:func:`describe`).
+    ``detail_cut`` and ``position_weight`` are the opt-in scene options of the module docstring.
 
     Raises:
-        KeyeConfigError: unknown ``auto_labels`` or extra type, or an extra type's weight <= 0.
+        KeyeConfigError: unknown ``auto_labels`` or extra type, an extra type's weight <= 0, or
+            ``position_weight`` <= 0.
     """
     _check_auto_labels(auto_labels)
-    scene = sample_scene(seed, split, index, image_fraction, extra_types)
+    scene = sample_scene(seed, split, index, image_fraction, extra_types, detail_cut, position_weight)
     image = scene.fps == 0
     sid = f"{split}-{index:06d}"
     rel = Path("media") / split / (f"{index:06d}.png" if image else f"{index:06d}.mp4")
@@ -826,7 +862,7 @@ def make_sample(out_dir: str, split: str, index: int, seed: int, image_fraction:
     return row
 
 
-def _make_star(args: tuple[str, str, int, int, float, bool, str, dict[str, float] | None, bool]) -> dict[str, Any]:
+def _make_star(args: tuple[Any, ...]) -> dict[str, Any]:
     if args[1] == "warmup":
         return make_warmup_sample(*args[:5], places=args[8])
     return make_sample(*args)
@@ -846,6 +882,8 @@ def generate_split(
     auto_labels: str = "type",
     extra_types: dict[str, float] | None = None,
     places: bool = False,
+    detail_cut: bool = False,
+    position_weight: float = 1.0,
 ) -> Path:
     """Generate ``n`` samples of ``split`` ("train" or "test") and write ``out_dir/<split>.jsonl``, plus
     ``out_dir/<split>_captions.jsonl`` (:func:`caption_rows`: one dense-caption row per sample, same media).
@@ -866,13 +904,16 @@ def generate_split(
             ``{"when_gap": 3.0}``); None (default) draws the default types only.
         places: the captions (and think traces) also name each object's 3 x 3 grid cell
             (:func:`describe`); off by default, so the default set is unchanged.
+        detail_cut: the detail scenes' tiny shape arrives with its distractors, in a key frame (module
+            docstring); off by default.
+        position_weight: the position type's weight among the image types (default 1, the others' weight).
 
     Returns:
         The manifest path. Rows are in index order whatever the worker count.
 
     Raises:
-        KeyeConfigError: unknown split, ``auto_labels`` or extra type, negative ``n`` or ``image_fraction``
-            outside [0, 1].
+        KeyeConfigError: unknown split, ``auto_labels`` or extra type, negative ``n``, ``image_fraction``
+            outside [0, 1], or ``position_weight`` <= 0.
     """
     if split not in SPLIT_CODES:
         raise KeyeConfigError(f"unknown split {split!r} (expected one of {', '.join(SPLIT_CODES)})")
@@ -880,12 +921,14 @@ def generate_split(
         raise KeyeConfigError(f"need n >= 0 and 0 <= image_fraction <= 1, got n={n}, {image_fraction}")
     _check_auto_labels(auto_labels)
     extra = _check_extra_types(extra_types) or None
+    _image_types(position_weight)
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     modes = modes and split != "warmup"
-    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels, extra, places) for i in range(n)]
+    jobs = [(str(out), split, i, seed, image_fraction, modes, auto_labels, extra, places, detail_cut, position_weight)
+            for i in range(n)]
     workers = (os.cpu_count() or 1) if workers is None else workers
     bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
     if workers <= 0 or n <= 1:
@@ -918,16 +961,20 @@ def generate(
     auto_labels: str = "type",
     extra_types: dict[str, float] | None = None,
     places: bool = False,
+    detail_cut: bool = False,
+    position_weight: float = 1.0,
 ) -> dict[str, Path]:
     """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
     ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`; ``modes`` adds the
     thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``;
-    ``extra_types`` adds opt-in question types; ``places`` names where each object is in the captions)."""
+    ``extra_types`` adds opt-in question types; ``places`` names where each object is in the captions;
+    ``detail_cut`` and ``position_weight`` are the opt-in scene options)."""
     splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
     return {
         split: generate_split(
             out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress,
-            modes=modes, auto_labels=auto_labels, extra_types=extra_types, places=places,
+            modes=modes, auto_labels=auto_labels, extra_types=extra_types, places=places, detail_cut=detail_cut,
+            position_weight=position_weight,
         )
         for split, n in splits
     }

@@ -13,7 +13,7 @@ from PIL import Image
 
 from keye.data.manifest import read_manifest
 from keye.data.probe import probe_file
-from keye.data.synth import COLORS, LETTERS, generate_split, make_scene, write_image, write_video
+from keye.data.synth import COLORS, LETTERS, generate_split, make_scene, render_frame, sample_scene, write_image, write_video
 from keye.eval.extract import choice_letter
 
 
@@ -314,3 +314,54 @@ def test_caption_places_match_the_pixels(tmp_path: Path, qtype: str):
     img = make_scene(np.random.default_rng([7, 1]), "position", image=True)
     a, b = describe(img, places=True).rstrip(".").split(", ")
     assert " at " not in a and len(a.split(" ")) >= 3 and len(b.split(" ")) >= 3
+
+
+def _detail_in_key_frame(sc) -> bool:
+    """Whether the first 2-fps frame showing the scene's white (tiny) shape is a slow-fast key frame."""
+    import torch
+
+    from keye.processing.slowfast import SLOW, classify_frames
+
+    tiny = next(o for o in sc.objects if o.color == "white")
+    times = np.arange(0, sc.duration, 0.5)
+    frames = np.stack([render_frame(sc, float(t)) for t in times]).transpose(0, 3, 1, 2)
+    types = classify_frames(torch.from_numpy(np.ascontiguousarray(frames)))
+    return bool(types[int(np.searchsorted(times, tiny.t_appear - 1e-9))] == SLOW)
+
+
+def test_detail_cut_puts_the_brief_tiny_shape_in_a_key_frame():
+    """The detail_cut scene keeps the question's premise (a shape much smaller than everything else, on
+    screen for one second) and shows it in a key frame, because the big distractors arrive with it; in
+    the default scene the tiny shape appears alone and mostly only fast frames show it."""
+    cut = [make_scene(np.random.default_rng([321, k]), "detail", image=False, detail_cut=True) for k in range(12)]
+    for sc in cut:
+        tiny = [o for o in sc.objects if o.color == "white"]
+        big = [o for o in sc.objects if o.color != "white"]
+        assert len(tiny) == 1 and 2 <= len(big) <= 3
+        assert tiny[0].t_vanish - tiny[0].t_appear == 1.0
+        assert tiny[0].size <= 0.5 * min(o.size for o in big)
+        assert {o.t_appear for o in big} == {tiny[0].t_appear}
+    assert sum(map(_detail_in_key_frame, cut)) >= 10
+    plain = [make_scene(np.random.default_rng([321, k]), "detail", image=False) for k in range(12)]
+    assert sum(map(_detail_in_key_frame, plain)) <= 4  # measured: 2 of 12
+
+
+def test_scene_options_change_only_their_rows(tmp_path: Path):
+    from keye.cli import main
+
+    for name, extra in (("plain", []), ("cut", ["--detail-cut"]), ("pos", ["--position-weight", "40"])):
+        assert main(["data", "synth", "--out", str(tmp_path / name), "--train", "60", "--test", "0", "--seed", "2",
+                     "--workers", "0", "--no-progress", "--image-fraction", "0.3", *extra]) == 0
+    plain, cut, pos = (_rows(tmp_path / n / "train.jsonl") for n in ("plain", "cut", "pos"))
+    assert any(r["question_type"] == "detail" for r in plain)
+    for a, b in zip(plain, cut):  # detail rows are redrawn, every other row is byte-identical
+        assert a["question_type"] == b["question_type"]
+        assert (a == b) != (a["question_type"] == "detail")
+    images = [(a, b) for a, b in zip(plain, pos) if a["meta"]["modality"] == "image"]
+    assert all(a == b for a, b in zip(plain, pos) if a["meta"]["modality"] == "video")
+    share = np.mean([b["question_type"] == "position" for _, b in images])
+    assert share > 0.8 > np.mean([a["question_type"] == "position" for a, _ in images])
+    assert [sample_scene(2, "train", i, 0.3, position_weight=40).question_type for i in range(60)] == [
+        r["question_type"] for r in pos]
+    with pytest.raises(Exception, match="position_weight must be > 0"):
+        sample_scene(2, "train", 0, position_weight=0)
