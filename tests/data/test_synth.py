@@ -13,7 +13,16 @@ from PIL import Image
 
 from keye.data.manifest import read_manifest
 from keye.data.probe import probe_file
-from keye.data.synth import COLORS, LETTERS, generate_split, make_scene, render_frame, sample_scene, write_image, write_video
+from keye.data.synth import (
+    COLORS,
+    LETTERS,
+    generate_split,
+    make_scene,
+    render_frame,
+    sample_scene,
+    write_image,
+    write_video,
+)
 from keye.eval.extract import choice_letter
 
 
