@@ -277,10 +277,18 @@ def main() -> int:
         ap.error("--unseen-seeds: 0 is the build's own seed")
     synth = REPO / "data/synth"
     scene_options = {"detail_cut": args.detail_cut, "position_weight": args.position_weight}
-    if not (synth / "test.jsonl").is_file():
+    options_file = synth / "scene_options.json"  # a resumed build must not mix sets drawn with other options
+    if (synth / "test.jsonl").is_file():
+        recorded = (json.loads(options_file.read_text()) if options_file.is_file()
+                    else {"detail_cut": False, "position_weight": 1.0})
+        if recorded != scene_options:
+            ap.error(f"{synth} was generated with the scene options {recorded}, this build asks for "
+                     f"{scene_options}: pass the same options, or move {synth} away to start from nothing")
+    else:
         from keye.data.synth import generate
 
         generate(synth, train=args.train, test=args.test, seed=0, places=args.caption_places, **scene_options)
+        options_file.write_text(json.dumps(scene_options) + "\n")
     if not (synth / "warmup.jsonl").is_file():
         from keye.data.synth import generate_split
 

@@ -261,3 +261,30 @@ def test_eval_figures_and_report_come_from_the_scores(tmp_path):
     md = build.report_markdown(report)
     assert "| linear probe on the vision tokens | shape |" in md
     assert "| after see | 95.7 % (majority 27 %) |" in md and "| final | 50.0 % (majority 27 %) |" in md
+
+
+@pytest.mark.parametrize("recorded, asked, ok", [
+    (None, [], True),  # a set from before the options existed is the default set
+    (None, ["--detail-cut"], False),
+    ({"detail_cut": True, "position_weight": 3.0}, ["--detail-cut", "--position-weight", "3"], True),
+    ({"detail_cut": True, "position_weight": 3.0}, ["--detail-cut"], False),
+])
+def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, recorded, asked, ok):
+    """build_tiny.py resumes from whatever data/synth holds, so it checks that set's scene options first
+    (before any training; the check is what this runs, in a copy of the script whose repository is tmp)."""
+    import subprocess
+
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training/build_tiny.py").write_text((REPO / "training/build_tiny.py").read_text())
+    synth = tmp_path / "data/synth"
+    synth.mkdir(parents=True)
+    (synth / "test.jsonl").write_text("")
+    if recorded is not None:
+        (synth / "scene_options.json").write_text(json.dumps(recorded))
+    # --see-steps 0 and no unseen seeds keep the run short; an accepted set then fails later, on the
+    # missing warm-up / init inputs, which is not what this test is about
+    proc = subprocess.run([sys.executable, str(tmp_path / "training/build_tiny.py"), "--unseen-seeds",
+                           "--see-steps", "0", "--warmup", "0", *asked], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    refused = proc.returncode == 2 and "was generated with the scene options" in proc.stderr
+    assert refused != ok, proc.stderr[-2000:]
