@@ -481,30 +481,24 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool, detail_cut: bo
             events.append({"t": t_a, "event": "appear", "object": o.name})
         ans, kind, tol = f"{sum(times):.1f}", "numeric", GRID
         text = "What is the sum of the times (in seconds) at which the three shapes appear? Answer with a number."
-    elif qtype == "detail" and detail_cut:
-        # The tiny shape arrives together with two or three big distractors: a scene change, so its first
-        # frame is a key frame under the slow-fast rule (alone it changes too few patches to start one).
-        t_a = _grid_time(rng, 0, duration - 1.0)
-        for s2, c2 in _distinct_objects(rng, int(rng.integers(2, 4)), avoid=("white",)):
-            static(s2, c2, lo=side / 6, t_appear=t_a)
-        s = str(rng.choice(SHAPES))
-        r = max(5.0, side * 0.075)
-        x, y = _free_pos(rng, w, h, r, taken)
-        tiny = Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0)
-        objs.append(tiny)
-        events.append({"t": t_a, "event": "appear", "object": "tiny white " + s})
-        choices, ans = _mc(rng, s, list(SHAPES))
-        text = _mc_text("A tiny white shape is shown briefly. What shape is it?", choices)
-        kind = "mc"
     elif qtype == "detail":
-        # A tiny shape (about 6% of the frame side) visible for 1 s among big distractors: the answer is in
-        # the high-resolution detail of the few frames that show it.
-        for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3)), avoid=("white",)):
-            static(s2, c2)
+        # A tiny shape visible for 1 s among big distractors: the answer is in the high-resolution detail of
+        # the few frames that show it. By default it appears alone mid-clip (radius 6 % of the side), which
+        # the slow-fast rule leaves to fast frames; with ``detail_cut`` two or three bigger distractors
+        # arrive with it, a scene change, so its first frame is a key frame (alone it changes too few
+        # patches to start one), and it is a little larger. Each variant keeps its own order of draws.
+        if detail_cut:
+            t_a = _grid_time(rng, 0, duration - 1.0)
+            for s2, c2 in _distinct_objects(rng, int(rng.integers(2, 4)), avoid=("white",)):
+                static(s2, c2, lo=side / 6, t_appear=t_a)
+        else:
+            for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3)), avoid=("white",)):
+                static(s2, c2)
         s = str(rng.choice(SHAPES))
-        r = max(5.0, side * 0.06)
+        r = max(5.0, side * (0.075 if detail_cut else 0.06))
         x, y = _free_pos(rng, w, h, r, taken)
-        t_a = _grid_time(rng, 0, duration - 1.0)
+        if not detail_cut:
+            t_a = _grid_time(rng, 0, duration - 1.0)
         tiny = Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0)
         objs.append(tiny)
         events.append({"t": t_a, "event": "appear", "object": "tiny white " + s})

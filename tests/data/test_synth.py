@@ -372,5 +372,7 @@ def test_scene_options_change_only_their_rows(tmp_path: Path):
     assert share > 0.8 > np.mean([a["question_type"] == "position" for a, _ in images])
     assert [sample_scene(2, "train", i, 0.3, position_weight=40).question_type for i in range(60)] == [
         r["question_type"] for r in pos]
-    with pytest.raises(Exception, match="position_weight must be > 0"):
+    from keye.errors import KeyeConfigError
+
+    with pytest.raises(KeyeConfigError, match="position_weight must be > 0"):
         sample_scene(2, "train", 0, position_weight=0)
