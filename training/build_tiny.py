@@ -214,6 +214,10 @@ def report_markdown(report: dict[str, Any]) -> str:
     curves and wall times, then real / blank / majority accuracy per question type for every test set."""
     lines = ["| stage | steps | samples | loss: first -> final | loss every ~10 % of the stage | minutes |",
              "|---|---|---|---|---|---|"]
+    drawn = report.get("scene_options")
+    if (drawn and drawn != {"detail_cut": False, "position_weight": 1.0}) or report.get("stage2_overrides"):
+        lines[:0] = [f"Built with the scene options {drawn} and the stage-2 overrides "
+                     f"{report.get('stage2_overrides') or 'none'}.", ""]
     see = report.get("see")
     if see:
         curve = ", ".join(f"{p['loss']:.2f}" for p in see["curve"] if p["loss"] is not None)
@@ -310,7 +314,9 @@ def main() -> int:
     init = REPO / "runs/tiny/init"
     if not (init / "model.safetensors").is_file():
         build_init(init, synth / "train.jsonl", synth / "train_captions.jsonl")
-    report: dict[str, Any] = {"stages": {}, "evals": {}}
+    # What the set was drawn with and what stage 2 was told, so a report says which build it describes.
+    report: dict[str, Any] = {"scene_options": scene_options, "stage2_overrides": list(args.overrides),
+                              "stages": {}, "evals": {}}
     see_dir = REPO / "runs/tiny_see"
     if args.see_steps > 0:
         if not (see_dir / "metrics.json").is_file():

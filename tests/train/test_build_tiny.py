@@ -261,6 +261,16 @@ def test_eval_figures_and_report_come_from_the_scores(tmp_path):
     md = build.report_markdown(report)
     assert "| linear probe on the vision tokens | shape |" in md
     assert "| after see | 95.7 % (majority 27 %) |" in md and "| final | 50.0 % (majority 27 %) |" in md
+    assert "Built with" not in md  # a report from before the field, or a default build, says nothing extra
+    report["scene_options"] = {"detail_cut": False, "position_weight": 1.0}
+    report["stage2_overrides"] = []
+    assert "Built with" not in build.report_markdown(report)
+    report["stage2_overrides"] = ["train.seed=1"]
+    assert build.report_markdown(report).startswith("Built with the scene options {'detail_cut': False, "
+                                                    "'position_weight': 1.0} and the stage-2 overrides ['train.seed=1'].")
+    report["scene_options"] = {"detail_cut": True, "position_weight": 3.0}
+    report["stage2_overrides"] = []
+    assert "{'detail_cut': True, 'position_weight': 3.0} and the stage-2 overrides none." in build.report_markdown(report)
 
 
 @pytest.mark.parametrize("recorded, asked, ok", [
