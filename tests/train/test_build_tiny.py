@@ -273,28 +273,45 @@ def test_eval_figures_and_report_come_from_the_scores(tmp_path):
     assert "{'detail_cut': True, 'position_weight': 3.0} and the stage-2 overrides none." in build.report_markdown(report)
 
 
-@pytest.mark.parametrize("recorded, asked, ok", [
-    (None, [], True),  # a set from before the options existed is the default set
-    (None, ["--detail-cut"], False),
-    ({"detail_cut": True, "position_weight": 3.0}, ["--detail-cut", "--position-weight", "3"], True),
-    ({"detail_cut": True, "position_weight": 3.0}, ["--detail-cut"], False),
+def test_stage_figures_keep_the_wall_time_of_the_build_that_trained_the_stage(tmp_path):
+    """A resumed build reuses a finished stage; its report still gives the time that stage took when it was
+    trained (recorded in the stage's folder), not a blank, and never invents one."""
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 2, "samples": 8, "first_loss": 2.0,
+                                                       "final_loss": 1.0}))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n')
+    assert build.sft_stage_figures(tmp_path, None)["seconds"] is None  # reused, nothing recorded
+    trained = build.sft_stage_figures(tmp_path, 123.4)
+    assert trained["seconds"] == 123.4 and trained["loss_curve"] == [[1, 2.0], [2, 1.0]]
+    assert build.sft_stage_figures(tmp_path, None)["seconds"] == 123.4  # reused: the recorded time
+
+
+OPTS = {"detail_cut": True, "position_weight": 3.0}
+
+
+@pytest.mark.parametrize("sets, asked, ok", [
+    ({"synth": None}, [], True),  # a set from before the options existed is the default set
+    ({"synth": None}, ["--detail-cut"], True),  # the options' questions are drawn into data/synth/options
+    ({"synth": OPTS}, ["--detail-cut", "--position-weight", "3"], False),  # data/synth drawn with the options
+    ({"synth": None, "synth/options": OPTS}, ["--detail-cut", "--position-weight", "3"], True),
+    ({"synth": None, "synth/options": OPTS}, ["--detail-cut"], False),
 ])
-def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, recorded, asked, ok):
-    """build_tiny.py resumes from whatever data/synth holds, so it checks that set's scene options first
-    (before any training; the check is what this runs, in a copy of the script whose repository is tmp)."""
+def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, sets, asked, ok):
+    """build_tiny.py resumes from whatever data/synth holds, so it checks each set's scene options first
+    (before any training; the check is what this runs, in a copy of the script whose repository is tmp):
+    data/synth is the default set, data/synth/options the questions drawn with the asked options."""
     import subprocess
 
     (tmp_path / "training").mkdir()
     (tmp_path / "training/build_tiny.py").write_text((REPO / "training/build_tiny.py").read_text())
-    synth = tmp_path / "data/synth"
-    synth.mkdir(parents=True)
-    (synth / "test.jsonl").write_text("")
-    if recorded is not None:
-        (synth / "scene_options.json").write_text(json.dumps(recorded))
-    # --see-steps 0 and no unseen seeds keep the run short; an accepted set then fails later, on the
-    # missing warm-up / init inputs, which is not what this test is about
+    for where, recorded in sets.items():
+        (tmp_path / "data" / where).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / where / "test.jsonl").write_text("")
+        if recorded is not None:
+            (tmp_path / "data" / where / "scene_options.json").write_text(json.dumps(recorded))
+    # --see-steps 0, no unseen seeds and 2-sample sets keep the run short; an accepted build then fails later,
+    # on the missing caption / init inputs, which is not what this test is about
     proc = subprocess.run([sys.executable, str(tmp_path / "training/build_tiny.py"), "--unseen-seeds",
-                           "--see-steps", "0", "--warmup", "0", *asked], capture_output=True, text=True,
+                           "--see-steps", "0", "--warmup", "0", "--train", "2", "--test", "2", *asked], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     refused = proc.returncode == 2 and "was generated with the scene options" in proc.stderr
     assert refused != ok, proc.stderr[-2000:]
