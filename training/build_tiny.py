@@ -3,8 +3,9 @@
 Steps (each skipped when its output already exists, so the script is resumable; the SFT stages also resume
 from their last checkpoint):
   1. the synthetic video-QA set      data/synth/{train,test}.jsonl + train_captions.jsonl + warmup.jsonl
-     (its captions name where each object is, ``keye data synth --places``),
-     and test splits drawn with seeds the build never trains on   data/synth/unseen_seed{101,202}/test.jsonl
+     (its captions name where each object is, ``keye data synth --places``); the same set drawn with the
+     scene options ``--detail-cut --position-weight 3`` for the questions      data/synth/options/...
+     and test splits drawn with seeds the build never trains on    data/synth/options/unseen_seed{101,202}
   2. a byte-level BPE tokenizer trained on the set's questions, answers and captions, with the Keye
      special tokens
   3. a randomly initialised Keye-VL-1.5-style model (~2.6M parameters) + processor files   runs/tiny/init
@@ -17,7 +18,7 @@ from their last checkpoint):
      SFT stage 1, perception: the warm-up images and dense captions of the training clips
                                                                         runs/tiny_stage1/final
      (training/configs/tiny_synth_stage1.yaml)
-  6. SFT stage 2, the questions (plus the captions, so perception is kept) runs/tiny/final
+  6. SFT stage 2, the options' questions (plus their captions, so perception is kept)   runs/tiny/final
      (training/configs/tiny_synth.yaml)
   7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
      (runs/tiny/eval<k>{,_blank}), the demo's example clips, and the build report
@@ -43,10 +44,11 @@ budget (training/probe_mc.py).
 
 Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 800]
            [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--no-caption-places]
-           [--detail-cut] [--position-weight W] [--install] [stage2 overrides ...]
-       (--detail-cut and --position-weight are the synthetic set's opt-in scene options: they redraw the
-       stage-2 questions and every test split, into data/synth/options; the tokenizer, the see stage and the
-       perception stages learn from the default set in data/synth either way)
+           [--no-detail-cut] [--position-weight 3] [--install] [stage2 overrides ...]
+       (the build draws its stage-2 questions and every test split with the synthetic set's scene options
+       detail_cut and position_weight 3, into data/synth/options; the tokenizer, the see stage and the
+       perception stages learn from the default set in data/synth; --no-detail-cut --position-weight 1
+       draws the questions from the default set too, the build before 2026-12-06)
        python training/build_tiny.py --report-only
 """
 
@@ -78,6 +80,9 @@ SEE_STEPS = 800  # vision pretraining (training/pretrain_vision.py)
 SEE_OBJECTIVE = {"twin_fraction": 0.5, "positions": True, "dense_weight": 3.0}
 UNSEEN_SEEDS = (101, 202)  # test splits drawn with seeds the build never trains on
 DEFAULT_SCENE_OPTIONS = {"detail_cut": False, "position_weight": 1.0}  # keye.data.synth's opt-in options off
+# The installed keye-tiny's questions: detail scenes whose tiny shape lands in a key frame, position thrice
+# as often among the image types (detail 50-56 % and position 100 % on the unseen seeds, from 22-24 and 55-57 %).
+BUILD_SCENE_OPTIONS = {"detail_cut": True, "position_weight": 3.0}
 
 
 def corpus(*manifests: Path) -> list[str]:
@@ -287,9 +292,10 @@ def main() -> int:
                     help="also evaluate on the build's own (seed 0) test split, not only the unseen seeds")
     ap.add_argument("--no-caption-places", dest="caption_places", action="store_false",
                     help="captions without place words (the build before 2026-12-05; see describe(places=...))")
-    ap.add_argument("--detail-cut", action="store_true",
-                    help="synthetic set option: detail scenes put the tiny shape in a key frame (keye.data.synth)")
-    ap.add_argument("--position-weight", type=float, default=1.0,
+    ap.add_argument("--no-detail-cut", dest="detail_cut", action="store_false",
+                    help="questions without the detail_cut scene option (keye.data.synth; the build before "
+                         "2026-12-06, with --position-weight 1)")
+    ap.add_argument("--position-weight", type=float, default=BUILD_SCENE_OPTIONS["position_weight"],
                     help="synthetic set option: the position type's weight among the image types")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
     ap.add_argument("--report-only", action="store_true", help="print the tables of runs/tiny/build_report.json")

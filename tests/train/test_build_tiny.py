@@ -288,12 +288,17 @@ def test_stage_figures_keep_the_wall_time_of_the_build_that_trained_the_stage(tm
 OPTS = {"detail_cut": True, "position_weight": 3.0}
 
 
+DEFAULT = ["--no-detail-cut", "--position-weight", "1"]
+
+
 @pytest.mark.parametrize("sets, asked, ok", [
-    ({"synth": None}, [], True),  # a set from before the options existed is the default set
-    ({"synth": None}, ["--detail-cut"], True),  # the options' questions are drawn into data/synth/options
-    ({"synth": OPTS}, ["--detail-cut", "--position-weight", "3"], False),  # data/synth drawn with the options
-    ({"synth": None, "synth/options": OPTS}, ["--detail-cut", "--position-weight", "3"], True),
-    ({"synth": None, "synth/options": OPTS}, ["--detail-cut"], False),
+    ({"synth": None}, DEFAULT, True),  # a set from before the options existed is the default set
+    ({"synth": None}, [], True),  # the build's options: its questions are drawn into data/synth/options
+    ({"synth": OPTS}, [], False),  # data/synth drawn with the options (the layout before 2026-12-06)
+    ({"synth": OPTS}, DEFAULT, False),
+    ({"synth": None, "synth/options": OPTS}, [], True),
+    ({"synth": None, "synth/options": OPTS}, ["--position-weight", "2"], False),
+    ({"synth": None, "synth/options": OPTS}, ["--no-detail-cut"], False),
 ])
 def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, sets, asked, ok):
     """build_tiny.py resumes from whatever data/synth holds, so it checks each set's scene options first
