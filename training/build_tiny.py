@@ -312,8 +312,8 @@ def main() -> int:
     # The tokenizer, the see stage and the perception stages always learn from the default set; the scene
     # options redraw the questions (stage 2) and every test split, in data/synth/options. With the options
     # in every stage (one set drawn with them), direction fell to 31-76 % in three stage-2 runs on the
-    # unseen seeds (installed model: 84-86 %); with the perception stages on the default set it held
-    # (README, keye-tiny).
+    # unseen seeds (the 2026-12-05 build: 84-86 %); with the perception stages on the default set it kept
+    # 64-79 % (README, keye-tiny).
     optioned = scene_options != DEFAULT_SCENE_OPTIONS
     questions = synth / "options" if optioned else synth
     _check_scene_options(ap, synth, DEFAULT_SCENE_OPTIONS)
