@@ -279,10 +279,26 @@ def _check_scene_options(ap: argparse.ArgumentParser, where: Path, expected: dic
                  f"away to start it from nothing")
 
 
+def _check_question_count(ap: argparse.ArgumentParser, where: Path, expected: int) -> None:
+    """Stop (usage error, exit 2) when the options' set in ``where`` holds another number of training
+    questions than this build asks for (``--questions``): stage 2 would silently train on the old count."""
+    train = where / "train.jsonl"
+    if not train.is_file():
+        return
+    with train.open("rb") as f:
+        held = sum(1 for line in f if line.strip())
+    if held != expected:
+        ap.error(f"{train} holds {held} training questions, this build asks for {expected} (--questions): "
+                 f"move {where} away to draw it again")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=int, default=10000)
     ap.add_argument("--test", type=int, default=500)
+    ap.add_argument("--questions", type=int, default=None,
+                    help="stage-2 training questions drawn with the scene options into data/synth/options "
+                         "(default: --train)")
     ap.add_argument("--warmup", type=int, default=3000, help="large-object caption images for stage 1")
     ap.add_argument("--see-steps", type=int, default=SEE_STEPS, help="vision pretraining steps (0: skip)")
     ap.add_argument("--unseen-seeds", type=int, nargs="*", default=list(UNSEEN_SEEDS),
@@ -316,14 +332,17 @@ def main() -> int:
     # 64-79 % (README, keye-tiny).
     optioned = scene_options != DEFAULT_SCENE_OPTIONS
     questions = synth / "options" if optioned else synth
+    n_questions = args.train if args.questions is None or not optioned else args.questions
     _check_scene_options(ap, synth, DEFAULT_SCENE_OPTIONS)
     if optioned:
         _check_scene_options(ap, questions, scene_options)
+        _check_question_count(ap, questions, n_questions)
     from keye.data.synth import generate, generate_split
 
-    for where, options in ((synth, DEFAULT_SCENE_OPTIONS), (questions, scene_options)):
+    for where, options, n_train in ((synth, DEFAULT_SCENE_OPTIONS, args.train),
+                                    (questions, scene_options, n_questions)):
         if not (where / "test.jsonl").is_file():
-            generate(where, train=args.train, test=args.test, seed=0, places=args.caption_places, **options)
+            generate(where, train=n_train, test=args.test, seed=0, places=args.caption_places, **options)
             (where / "scene_options.json").write_text(json.dumps(options) + "\n")
     if not (synth / "warmup.jsonl").is_file():
         generate_split(synth, "warmup", args.warmup, seed=0, places=args.caption_places)

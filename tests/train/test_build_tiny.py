@@ -320,3 +320,23 @@ def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, 
                           timeout=300, cwd=tmp_path)
     refused = proc.returncode == 2 and "was generated with the scene options" in proc.stderr
     assert refused != ok, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("asked, ok", [([], False), (["--questions", "3"], True), (["--questions", "4"], False)])
+def test_a_resumed_build_refuses_an_options_set_of_another_size(tmp_path, asked, ok):
+    """The options' questions are drawn once; a build asking for another number of them (``--questions``,
+    default ``--train``) stops instead of training stage 2 on the old count."""
+    import subprocess
+
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training/build_tiny.py").write_text((REPO / "training/build_tiny.py").read_text())
+    (tmp_path / "data/synth/options").mkdir(parents=True)
+    (tmp_path / "data/synth/test.jsonl").write_text("")
+    (tmp_path / "data/synth/options/test.jsonl").write_text("")
+    (tmp_path / "data/synth/options/scene_options.json").write_text(json.dumps(OPTS))
+    (tmp_path / "data/synth/options/train.jsonl").write_text("{}\n{}\n{}\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "training/build_tiny.py"), "--unseen-seeds",
+                           "--see-steps", "0", "--warmup", "0", "--train", "2", "--test", "2", *asked],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    refused = proc.returncode == 2 and "training questions, this build asks for" in proc.stderr
+    assert refused != ok, proc.stderr[-2000:]
