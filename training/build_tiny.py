@@ -18,7 +18,8 @@ from their last checkpoint):
      SFT stage 1, perception: the warm-up images and dense captions of the training clips
                                                                         runs/tiny_stage1/final
      (training/configs/tiny_synth_stage1.yaml)
-  6. SFT stage 2, the options' questions (plus their captions, so perception is kept)   runs/tiny/final
+  6. SFT stage 2, the options' questions (plus their captions, so perception is kept; 4,800 steps)
+                                                                        runs/tiny/final
      (training/configs/tiny_synth.yaml)
   7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
      (runs/tiny/eval<k>{,_blank}), the demo's example clips, and the build report
@@ -44,7 +45,7 @@ budget (training/probe_mc.py).
 
 Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 800]
            [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--no-caption-places]
-           [--no-detail-cut] [--position-weight 3] [--install] [stage2 overrides ...]
+           [--no-detail-cut] [--position-weight 3] [--questions N] [--install] [stage2 overrides ...]
        (the build draws its stage-2 questions and every test split with the synthetic set's scene options
        detail_cut and position_weight 3, into data/synth/options; the tokenizer, the see stage and the
        perception stages learn from the default set in data/synth; --no-detail-cut --position-weight 1
@@ -81,7 +82,8 @@ SEE_OBJECTIVE = {"twin_fraction": 0.5, "positions": True, "dense_weight": 3.0}
 UNSEEN_SEEDS = (101, 202)  # test splits drawn with seeds the build never trains on
 DEFAULT_SCENE_OPTIONS = {"detail_cut": False, "position_weight": 1.0}  # keye.data.synth's opt-in options off
 # The installed keye-tiny's questions: detail scenes whose tiny shape lands in a key frame, position thrice
-# as often among the image types (detail 50-56 % and position 100 % on the unseen seeds, from 22-24 and 55-57 %).
+# as often among the image types (with the 3,200-step stage 2: detail 50-56 % and position 100 % on the unseen
+# seeds, from 22-24 and 55-57 %).
 BUILD_SCENE_OPTIONS = {"detail_cut": True, "position_weight": 3.0}
 
 
