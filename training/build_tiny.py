@@ -334,7 +334,9 @@ def main() -> int:
     # 64-79 % (README, keye-tiny).
     optioned = scene_options != DEFAULT_SCENE_OPTIONS
     questions = synth / "options" if optioned else synth
-    n_questions = args.train if args.questions is None or not optioned else args.questions
+    if args.questions is not None and not optioned:
+        ap.error("--questions sizes the options' set; without scene options the questions are --train's")
+    n_questions = args.train if args.questions is None else args.questions
     _check_scene_options(ap, synth, DEFAULT_SCENE_OPTIONS)
     if optioned:
         _check_scene_options(ap, questions, scene_options)
