@@ -291,6 +291,22 @@ OPTS = {"detail_cut": True, "position_weight": 3.0}
 DEFAULT = ["--no-detail-cut", "--position-weight", "1"]
 
 
+def _resume_check(tmp_path: Path, files: dict[str, str], asked: list[str]):
+    """Run a copy of build_tiny.py whose repository is ``tmp_path`` (holding ``files``, paths under data/)
+    with ``asked``; --see-steps 0, no unseen seeds and 2-sample sets keep it short. A build its checks accept
+    then fails later, on the missing caption / init inputs, which is not what these tests are about."""
+    import subprocess
+
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training/build_tiny.py").write_text((REPO / "training/build_tiny.py").read_text())
+    for rel, text in files.items():
+        (tmp_path / "data" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / rel).write_text(text)
+    return subprocess.run([sys.executable, str(tmp_path / "training/build_tiny.py"), "--unseen-seeds",
+                           "--see-steps", "0", "--warmup", "0", "--train", "2", "--test", "2", *asked],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
 @pytest.mark.parametrize("sets, asked, ok", [
     ({"synth": None}, DEFAULT, True),  # a set from before the options existed is the default set
     ({"synth": None}, [], True),  # the build's options: its questions are drawn into data/synth/options
@@ -304,20 +320,10 @@ def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, 
     """build_tiny.py resumes from whatever data/synth holds, so it checks each set's scene options first
     (before any training; the check is what this runs, in a copy of the script whose repository is tmp):
     data/synth is the default set, data/synth/options the questions drawn with the asked options."""
-    import subprocess
-
-    (tmp_path / "training").mkdir()
-    (tmp_path / "training/build_tiny.py").write_text((REPO / "training/build_tiny.py").read_text())
-    for where, recorded in sets.items():
-        (tmp_path / "data" / where).mkdir(parents=True, exist_ok=True)
-        (tmp_path / "data" / where / "test.jsonl").write_text("")
-        if recorded is not None:
-            (tmp_path / "data" / where / "scene_options.json").write_text(json.dumps(recorded))
-    # --see-steps 0, no unseen seeds and 2-sample sets keep the run short; an accepted build then fails later,
-    # on the missing caption / init inputs, which is not what this test is about
-    proc = subprocess.run([sys.executable, str(tmp_path / "training/build_tiny.py"), "--unseen-seeds",
-                           "--see-steps", "0", "--warmup", "0", "--train", "2", "--test", "2", *asked], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    files = {f"{where}/test.jsonl": "" for where in sets}
+    files.update({f"{where}/scene_options.json": json.dumps(recorded) for where, recorded in sets.items()
+                  if recorded is not None})
+    proc = _resume_check(tmp_path, files, asked)
     refused = proc.returncode == 2 and "was generated with the scene options" in proc.stderr
     assert refused != ok, proc.stderr[-2000:]
 
@@ -327,18 +333,9 @@ def test_a_resumed_build_refuses_a_set_drawn_with_other_scene_options(tmp_path, 
 def test_a_resumed_build_refuses_an_options_set_of_another_size(tmp_path, asked, ok):
     """The options' questions are drawn once; a build asking for another number of them (``--questions``,
     default ``--train``) stops instead of training stage 2 on the old count."""
-    import subprocess
-
-    (tmp_path / "training").mkdir()
-    (tmp_path / "training/build_tiny.py").write_text((REPO / "training/build_tiny.py").read_text())
-    (tmp_path / "data/synth/options").mkdir(parents=True)
-    (tmp_path / "data/synth/test.jsonl").write_text("")
-    (tmp_path / "data/synth/options/test.jsonl").write_text("")
-    (tmp_path / "data/synth/options/scene_options.json").write_text(json.dumps(OPTS))
-    (tmp_path / "data/synth/options/train.jsonl").write_text("{}\n{}\n{}\n")
-    proc = subprocess.run([sys.executable, str(tmp_path / "training/build_tiny.py"), "--unseen-seeds",
-                           "--see-steps", "0", "--warmup", "0", "--train", "2", "--test", "2", *asked],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = _resume_check(tmp_path, {"synth/test.jsonl": "", "synth/options/test.jsonl": "",
+                                    "synth/options/scene_options.json": json.dumps(OPTS),
+                                    "synth/options/train.jsonl": "{}\n{}\n{}\n"}, asked)
     refused = proc.returncode == 2 and ("training questions, this build asks for" in proc.stderr
                                         or "--questions sizes the options' set" in proc.stderr)
     assert refused != ok, proc.stderr[-2000:]
