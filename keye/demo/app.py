@@ -10,10 +10,16 @@ bad upload is answered with a readable message in the page, the server carrying 
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import io
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -132,9 +138,40 @@ def _new_state() -> dict[str, Any]:
     return {"key": None, "session": ChatSession(), "display": []}
 
 
-def make_respond(host: ModelHost, max_video_seconds: float | None):
+def frame_files(frames: list, directory: str | os.PathLike) -> list[tuple[str, str]]:
+    """The gallery entries ``(png path, caption)`` for ``frames``, each picture written once under ``directory``.
+
+    Files are named by the hash of their PNG bytes and appear atomically (written aside, then renamed), and an
+    existing file is never rewritten. Why files and not the PIL images: Gradio writes a returned PIL image
+    into its cache at a path fixed by its content, truncating and rewriting it every time the image is
+    returned, so returning the gallery twice (the first update and the final one) could truncate a picture
+    while a client was still downloading it; a file path is copied into the cache once and then reused.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f in frames:
+        buf = io.BytesIO()
+        f.image.save(buf, format="PNG")
+        data = buf.getvalue()
+        path = directory / f"{hashlib.sha256(data).hexdigest()[:32]}.png"
+        if not path.exists():
+            fd, staging = tempfile.mkstemp(dir=directory, prefix=".frame-", suffix=".png")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(staging, path)
+        out.append((str(path), f.caption()))
+    return out
+
+
+def make_respond(host: ModelHost, max_video_seconds: float | None, frame_dir: str | os.PathLike | None = None):
     """The chat handler bound to ``host``: a generator yielding ``(chatbot, state, alert, gallery, summary,
-    question)`` updates while the answer streams."""
+    question)`` updates while the answer streams. The gallery's pictures are written under ``frame_dir``
+    (default: a fresh folder in the system temp directory, which Gradio serves from)."""
+    if frame_dir is None:
+        frame_dir = tempfile.mkdtemp(prefix="keye-demo-frames-")
+        atexit.register(shutil.rmtree, frame_dir, True)
+    frame_dir = Path(frame_dir)
 
     def respond(
         files: Any,
@@ -210,7 +247,7 @@ def make_respond(host: ModelHost, max_video_seconds: float | None):
             batch = host.processor(session.messages(question, video), mode=mode if mode in MODES else None)
             frames = seen_frames(batch, host.processor)
             summary = token_summary(batch, frames)
-            gallery = [(f.image, f.caption()) for f in frames]
+            gallery = frame_files(frames, frame_dir)
             display = state["display"]
             yield (
                 display + _turn_messages(question, "", False),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -79,3 +81,23 @@ def test_seen_frames_match_processor_output(proc, clip, tmp_path):
     assert s["visual_tokens"] == n_video_pad + image.tokens
     assert s["prompt_tokens"] == batch["input_ids"].shape[1]
     assert s["slow_tokens"] + s["fast_tokens"] == n_video_pad
+
+
+def test_frame_files_write_each_picture_once_and_never_rewrite_it(proc, clip, tmp_path):
+    # Gradio rewrites a returned PIL image at a content-fixed cache path on every return, which truncated a
+    # picture a client was downloading when the demo returned the gallery twice; paths are copied once.
+    from keye.demo.app import frame_files
+
+    batch = proc(ChatSession(media=[("video", str(clip))]).messages("What happens?", VideoSettings()))
+    frames = seen_frames(batch, proc)
+    first = frame_files(frames, tmp_path / "frames")
+    assert [c for _, c in first] == [f.caption() for f in frames]
+    for (path, _), f in zip(first, frames):
+        np.testing.assert_array_equal(np.asarray(Image.open(path).convert("RGB")), np.asarray(f.image))
+    stats = {p: (Path(p).stat().st_ino, Path(p).stat().st_mtime_ns) for p, _ in first}
+    again = frame_files(frames, tmp_path / "frames")
+    assert again == first
+    assert {p: (Path(p).stat().st_ino, Path(p).stat().st_mtime_ns) for p, _ in again} == stats
+    # One file per distinct picture, nothing left half-written beside them.
+    files = sorted((tmp_path / "frames").iterdir())
+    assert len(files) == len({p for p, _ in first}) and not any(f.name.startswith(".") for f in files)
