@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from keye.data.manifest import read_manifest
 from keye.data.probe import ProbeCache
 from keye.processing.processor import KeyeProcessor
 from keye.testing.processor import make_tiny_processor_dir
+from tests.torchrun import torchrun
 
 WORKER = Path(__file__).with_name("dist_loader_worker.py")
 
@@ -25,14 +23,7 @@ def test_torchrun_two_ranks_share_each_epoch(small_synth: Path, tmp_path: Path):
     out = tmp_path / "result.json"
     cache = tmp_path / "probe.sqlite"
     ProbeCache(cache)  # both ranks share one on-disk cache
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(WORKER), str(small_synth), str(proc_dir), str(cache), str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    # A long stderr tail on failure: each rank prints its own traceback, and the failing rank is often not the last.
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-20000:]
+    torchrun([WORKER, small_synth, proc_dir, cache, out], timeout=300)
     ranks = json.loads(out.read_text())
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
     proc = KeyeProcessor.from_pretrained(proc_dir)

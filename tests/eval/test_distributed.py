@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun import torchrun
 
 pytestmark = pytest.mark.slow
 
 
 def test_torchrun_two_ranks(tmp_path) -> None:
     worker = Path(__file__).with_name("dist_eval_worker.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(worker),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, cwd=Path(__file__).parents[2], env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun([worker, tmp_path], timeout=180, cwd=Path(__file__).parents[2])
     lines = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in lines] == [f"q{i}" for i in range(7)]  # gathered in item order
     for i, rec in enumerate(lines):

@@ -11,9 +11,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import subprocess
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from keye.errors import KeyeConfigError
 from keye.rl.plan import activation_bytes, count_parameters, logprob_chunk_bytes, plan_memory
 from tests.paths import REPO_ROOT
 from tests.rl._memtrack import LiveBytes
+from tests.torchrun import torchrun
 
 B, L, GRID = 2, 96, (1, 8, 8)  # two rows of 96 tokens, one 8 x 8-patch image each (16 merged tokens)
 PATCHES = B * GRID[1] * GRID[2]
@@ -139,11 +137,8 @@ def test_fsdp2_shards_per_rank_match_the_plan(tmp_path):
     """Two gloo ranks under FSDP2: each rank's local parameter / gradient / AdamW shard bytes. Rank 0 holds
     ceil(dim0 / 2) rows of every parameter, exactly the plan; rank 1 the rest (the plan's padding bound), and
     the ranks together hold the whole model."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(REPO_ROOT / "tests/rl/_dist_plan.py"), str(tmp_path), "-", "vision"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun([REPO_ROOT / "tests/rl/_dist_plan.py", tmp_path, "-", "vision"], env={"KEYE_LOG_LEVEL": "WARNING"},
+             timeout=600, cwd=REPO_ROOT)
     for frozen in ("-", "vision"):
         out = tmp_path / frozen
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

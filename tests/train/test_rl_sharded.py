@@ -7,27 +7,21 @@ under FSDP2 equals the replicated loop and resumes exactly after a crash."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.torchrun import torchrun
 from tests.train import _learner_run
 from tests.train.test_rlep import rl_set  # noqa: F401 - fixture used by name
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
 
 
 def _torchrun(script: str, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(REPO / "tests/train" / script), *map(str, args)]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    torchrun([REPO / "tests/train" / script, *args], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900)
 
 
 @pytest.fixture(scope="module")

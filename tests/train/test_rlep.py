@@ -4,9 +4,6 @@ metrics, eval curve), exact kill-and-resume, tree on == off, 2-process data para
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +30,7 @@ from keye.train.rlep import (
     tree_enabled,
     validate,
 )
+from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -302,15 +300,11 @@ def test_two_process_data_parallel_run(tiny_ckpt, rl_set, tmp_path):
     Loss parity with one process is not expected: each rank samples its own prompts with its own
     generator stream (seeded by rank), so the rollout batches themselves differ from a 1-process run.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(REPO / "tests/train/_dist_rlep.py"), str(out), f"model.path={tiny_ckpt}",
-           f"data.manifest={rl_set['train']}", "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4",
-           f"replay.pool={rl_set['pool']}", "replay.M=1", "train.lr=1e-3", "train.steps=2", "log.progress=false",
-           "train.device=cpu", "algorithm.mini_batches=2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun([REPO / "tests/train/_dist_rlep.py", out, f"model.path={tiny_ckpt}",
+              f"data.manifest={rl_set['train']}", "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4",
+              f"replay.pool={rl_set['pool']}", "replay.M=1", "train.lr=1e-3", "train.steps=2", "log.progress=false",
+              "train.device=cpu", "algorithm.mini_batches=2"], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=600)
     sums = {r: (out / f"checksum_rank{r}.txt").read_text() for r in ("0", "1")}
     assert sums["0"] == sums["1"], sums
     summary = json.loads((out / "summary.json").read_text())

@@ -9,8 +9,6 @@ it. The vLLM engine is the recording stand-in of ``tests/train/_fake_vllm.py`` d
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 
 from keye import KeyeVL
 from keye.train.rlep import train
+from tests.torchrun import failure_report, torchrun
 from tests.train import _fake_vllm
 from tests.train._fake_vllm import fingerprint
 from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - rl_set is a fixture used by name
@@ -90,27 +89,18 @@ def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ck
 def _launch(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
             env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """One gloo run of ``_dist_rlep.py`` on ``nproc`` processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(REPO / "tests/train/_dist_rlep.py"), str(out), f"model.path={tiny_ckpt}",
-           f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2", "rollout.max_new_tokens=4",
-           f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2", "log.progress=false",
-           "train.device=cpu", *overrides]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: a hung rank must not outlive the test
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return torchrun([REPO / "tests/train/_dist_rlep.py", out, f"model.path={tiny_ckpt}",
+                     f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2",
+                     "rollout.max_new_tokens=4", f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2",
+                     "log.progress=false", "train.device=cpu", *overrides],
+                    nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING", **(env or {})}, timeout=timeout, check=False)
 
 
 def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
               env: dict[str, str] | None = None) -> dict[int, float]:
     """:func:`_launch`, which must succeed; returns each rank's parameter checksum."""
     proc = _launch(tiny_ckpt, data, out, *overrides, nproc=nproc, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_report(proc)
     return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in range(nproc)}
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from keye import KeyeProcessor, KeyeVL
 from keye.errors import KeyeConfigError
 from keye.train.config import dump_config, load_config
 from keye.train.sft import SFTConfig, lr_lambda, train
+from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,14 +110,10 @@ def test_lora_run_exports_merged_official_layout(tiny_ckpt, synth_set, tmp_path)
 
 
 def _torchrun(out, strategy, tiny_ckpt, synth_set, *extra, nproc=2):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(REPO / "tests/train/_dist_sft.py"), str(out), strategy,
-           f"model.path={tiny_ckpt}", f"data.manifest={synth_set['train']}", "data.batch_tokens=1536",
-           "train.lr=3e-3", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false", "train.device=cpu",
-           *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun([REPO / "tests/train/_dist_sft.py", out, strategy,
+              f"model.path={tiny_ckpt}", f"data.manifest={synth_set['train']}", "data.batch_tokens=1536",
+              "train.lr=3e-3", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
+              "train.device=cpu", *extra], nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=600)
     return json.loads((Path(out) / "summary.json").read_text())
 
 

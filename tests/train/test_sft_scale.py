@@ -7,10 +7,7 @@ AdamW, ``clip_grad_norm_``), which the rest of the suite checks against hand-com
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_tiny_processor_dir
 from keye.train.config import load_config
 from keye.train.sft import SFTConfig, train
+from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 # One sample per micro-batch keeps every run small and makes the global batch of a step exactly
@@ -42,14 +40,11 @@ def _plain(tiny_ckpt, synth_set, out, *extra) -> dict:
 
 def _torchrun(nproc: int, jobs: list[tuple[Path, str, tuple[str, ...]]], tiny_ckpt, synth_set) -> list[dict]:
     """Run several SFT jobs in ONE torchrun launch (tests/train/_dist_sft.py); returns their summaries."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(REPO / "tests/train/_dist_sft.py")]
+    args: list[object] = [REPO / "tests/train/_dist_sft.py"]
     for i, (out, strategy, extra) in enumerate(jobs):
         job = [str(out), strategy, *_overrides(tiny_ckpt, synth_set, "train.device=cpu", *extra)]
-        cmd += (["--"] if i else []) + job
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        args += (["--"] if i else []) + job
+    torchrun(args, nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900)
     return [json.loads((out / "summary.json").read_text()) for out, _, _ in jobs]
 
 

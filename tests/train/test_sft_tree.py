@@ -8,9 +8,6 @@ model's own packed loss (``loss_reduction="sum"``).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +33,7 @@ from keye.train.sft import (
     unshared_batch,
     use_tree_path,
 )
+from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_ANSWERS = ["The circle is red.", "The circle is red and small.", "Red."]
@@ -248,12 +246,8 @@ def test_ddp_tree_run_matches_one_process(tiny_ckpt, run_manifest, tmp_path):
     one) equal one process with two micro-batches: the normaliser counts every answer on every rank."""
     one = train(load_config(SFTConfig, None, [*_run_args(tiny_ckpt, run_manifest), "data.micro_batches=2",
                                               f"checkpoint.out_dir={tmp_path / 'one'}"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(REPO / "tests/train/_dist_sft.py"), str(tmp_path / "ddp"), "ddp",
-           *_run_args(tiny_ckpt, run_manifest), "data.micro_batches=1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun([REPO / "tests/train/_dist_sft.py", tmp_path / "ddp", "ddp", *_run_args(tiny_ckpt, run_manifest),
+              "data.micro_batches=1"], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=600)
     two = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert two["world_size"] == 2 and two["strategy"] == "ddp"
     assert two["tree"]["tree_micro_batches"] == one["tree"]["tree_micro_batches"] == 4
