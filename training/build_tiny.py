@@ -21,8 +21,12 @@ from their last checkpoint):
   6. SFT stage 2, the options' questions (plus their captions, so perception is kept; 4,800 steps)
                                                                         runs/tiny/final
      (training/configs/tiny_synth.yaml)
+     SFT stage 3, drills: stage 2's rows plus fresh questions of the weakest multiple-choice types
+     (position, detail) drawn with a seed no test split uses, 600 steps at a tenth of the rate
+                                                                        runs/tiny_drill/final
+     (training/configs/tiny_synth_drill.yaml; --no-drills ends the build at stage 2)
   7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
-     (runs/tiny/eval<k>{,_blank}), the demo's example clips, and the build report
+     (<final stage>/eval<k>{,_blank}), the demo's example clips, and the build report
      runs/tiny/build_report.json (every stage's and the final figures, and the linear probes of the
      vision tokens after the see stage and in the final model; ``--report-only`` prints its tables, which
      are the README's)
@@ -45,7 +49,8 @@ budget (training/probe_mc.py).
 
 Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 800]
            [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--no-caption-places]
-           [--no-detail-cut] [--position-weight 3] [--questions N] [--install] [stage2 overrides ...]
+           [--no-detail-cut] [--position-weight 3] [--questions N] [--no-drills] [--install]
+           [stage2 overrides ...]
        (the build draws its stage-2 questions and every test split with the synthetic set's scene options
        detail_cut and position_weight 3, into data/synth/options; the tokenizer, the see stage and the
        perception stages learn from the default set in data/synth; --no-detail-cut --position-weight 1
@@ -85,6 +90,14 @@ DEFAULT_SCENE_OPTIONS = {"detail_cut": False, "position_weight": 1.0}  # keye.da
 # as often among the image types (with the 3,200-step stage 2: detail 50-56 % and position 100 % on the unseen
 # seeds, from 22-24 and 55-57 %).
 BUILD_SCENE_OPTIONS = {"detail_cut": True, "position_weight": 3.0}
+# Stage 3's drill questions: a split drawn with its own seed (no test split, RL or AutoThink run uses 11), half
+# images so position is common (6,000 clips give ~1,470 position and ~290 detail questions), of which only the
+# drilled types join stage 2's rows. From the 4,800-step stage 2, 600 such steps took position from 62.5-89.5 % to
+# 100 % on all seven splits measured and left detail where it was (37.5-69 %; README, keye-tiny).
+DRILL_TYPES = ("position", "detail")
+DRILL_SEED = 11
+DRILL_CLIPS = 6000
+DRILL_IMAGE_FRACTION = 0.5
 
 
 def corpus(*manifests: Path) -> list[str]:
@@ -141,6 +154,28 @@ def build_init(out: Path, *train_manifests: Path, seed: int = 0) -> None:
     image_config = ImageProcessorConfig(variant="1.5", max_pixels=MAX_PIXELS, video_defaults=dict(VIDEO_DEFAULTS))
     KeyeProcessor(hf_tok, image_config, variant="1.5").save_pretrained(out)
     print(f"init: {model.num_parameters() / 1e6:.2f}M parameters, vocab {vocab} -> {out}")
+
+
+def drill_rows(manifest: Path, rel: str, types: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The rows of ``manifest`` whose ``question_type`` is one of ``types``, ready to join another manifest:
+    ids prefixed ``drill-`` (the loader refuses duplicate ids, and every split numbers its rows from 0) and
+    every image / video path rebased onto ``rel``, the drill split's folder relative to the joined manifest's
+    (media paths resolve against the manifest's own folder). Raises ValueError when none is of those types."""
+    rows = []
+    for line in manifest.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("question_type") not in types:
+            continue
+        row["id"] = f"drill-{row['id']}"
+        for message in row["messages"]:
+            for part in message["content"] if isinstance(message["content"], list) else ():
+                kind = part.get("type")
+                if kind in ("image", "video") and isinstance(part.get(kind), str):
+                    part[kind] = f"{rel}/{part[kind]}"
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{manifest}: no questions of the drilled types {', '.join(types)}")
+    return rows
 
 
 def run(cmd: list[str]) -> None:
@@ -315,6 +350,8 @@ def main() -> int:
                          "2026-12-06, with --position-weight 1)")
     ap.add_argument("--position-weight", type=float, default=BUILD_SCENE_OPTIONS["position_weight"],
                     help="synthetic set option: the position type's weight among the image types")
+    ap.add_argument("--no-drills", dest="drills", action="store_false",
+                    help="end at stage 2 (the build before 2026-12-06 evening): no drill stage")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
     ap.add_argument("--report-only", action="store_true", help="print the tables of runs/tiny/build_report.json")
     ap.add_argument("overrides", nargs="*", help="extra stage-2 SFT overrides (key=value)")
@@ -363,6 +400,14 @@ def main() -> int:
     mix = questions / "train_mix.jsonl"
     if not mix.is_file():  # stage 2 data: the questions and the captions, shuffled together by the loader
         mix.write_text((questions / "train.jsonl").read_text() + (questions / "train_captions.jsonl").read_text())
+    drill_mix = questions / "drill_mix.jsonl"
+    if args.drills and not drill_mix.is_file():  # stage 3 data: stage 2's rows and the drill questions
+        drill_dir = questions / "drill"
+        if not (drill_dir / "train.jsonl").is_file():
+            generate_split(drill_dir, "train", DRILL_CLIPS, seed=DRILL_SEED, image_fraction=DRILL_IMAGE_FRACTION,
+                           places=args.caption_places, **scene_options)
+        rows = drill_rows(drill_dir / "train.jsonl", drill_dir.name, DRILL_TYPES)
+        drill_mix.write_text(mix.read_text() + "".join(json.dumps(row) + "\n" for row in rows))
     init = REPO / "runs/tiny/init"
     if not (init / "model.safetensors").is_file():
         build_init(init, synth / "train.jsonl", synth / "train_captions.jsonl")
@@ -385,6 +430,10 @@ def main() -> int:
               ("1, perception", "stage1", "runs/tiny_stage1", no_see),
               ("2, questions", "", "runs/tiny",
                no_see + ([f"data.manifest={mix.relative_to(REPO)}"] if optioned else []) + list(args.overrides))]
+    if args.drills:
+        stages.append(("3, drills", "drill", "runs/tiny_drill",
+                       no_see + [f"data.manifest={drill_mix.relative_to(REPO)}"]))
+    final = REPO / stages[-1][2] / "final"
     for name, stage, out_dir, overrides in stages:
         seconds = None
         if not (REPO / out_dir / "final/model.safetensors").is_file():
@@ -399,23 +448,23 @@ def main() -> int:
     for k, (name, path) in enumerate(tests.items()):
         dirs = []
         for suffix, extra in (("", []), ("_blank", ["--blank"])):
-            out = REPO / f"runs/tiny/eval{k}{suffix}"
+            out = final.parent / f"eval{k}{suffix}"
             dirs.append(out)
             if not (out / "scores.json").is_file():
-                run([sys.executable, "-m", "keye", "eval", "synth", "--model", "runs/tiny/final", "--data", str(path),
+                run([sys.executable, "-m", "keye", "eval", "synth", "--model", str(final), "--data", str(path),
                      "--out", str(out), "--max-new-tokens", "12", "--batch-size", "16", *extra])
         report["evals"][name] = ev = eval_figures(*dirs)
         print(f"{name}: real {ev['real']:.1f} %, blank {ev['blank']:.1f} %, majority {ev['majority']:.1f} %",
               flush=True)
-    report["demo"] = demo_figures(REPO / "runs/tiny/final")
-    report["probe"] = probe_figures(REPO / "runs/tiny/final", report.get("see"))
+    report["demo"] = demo_figures(final)
+    report["probe"] = probe_figures(final, report.get("see"))
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(report_markdown(report), end="", flush=True)
     print(f"report -> {report_path}")
     if args.install:
         dest = REPO / "keye/assets/keye-tiny"
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(REPO / "runs/tiny/final", dest)
+        shutil.copytree(final, dest)
         print(f"installed keye-tiny -> {dest}")
     return 0
 

@@ -339,3 +339,27 @@ def test_a_resumed_build_refuses_an_options_set_of_another_size(tmp_path, asked,
     refused = proc.returncode == 2 and ("training questions, this build asks for" in proc.stderr
                                         or "--questions sizes the options' set" in proc.stderr)
     assert refused != ok, proc.stderr[-2000:]
+
+
+def test_drill_rows_join_another_manifest_with_their_media_and_unique_ids(tmp_path):
+    """Stage 3's data: the drilled types of a split drawn into a subfolder, appended to stage 2's rows, parse
+    as one manifest with no duplicate ids, every medium resolving to the file the split rendered."""
+    from keye.data.manifest import read_manifest
+    from keye.data.synth import generate_split
+
+    questions = tmp_path / "options"
+    generate_split(questions, "train", 6, seed=0, workers=0, progress=False, image_fraction=0.5)
+    generate_split(questions / "drill", "train", 24, seed=11, workers=0, progress=False, image_fraction=0.5)
+    drilled = [json.loads(line) for line in (questions / "drill/train.jsonl").read_text().splitlines()]
+    types = tuple(sorted({r["question_type"] for r in drilled})[:2])
+    rows = build.drill_rows(questions / "drill/train.jsonl", "drill", types)
+    assert [r["id"] for r in rows] == [f"drill-{r['id']}" for r in drilled if r["question_type"] in types]
+    joined = questions / "drill_mix.jsonl"
+    joined.write_text((questions / "train.jsonl").read_text() + "".join(json.dumps(r) + "\n" for r in rows))
+    manifest = read_manifest(joined)
+    assert manifest.bad_rows == [] and len(manifest) == 6 + len(rows)
+    for sample in manifest.samples[6:]:
+        assert sample.row["question_type"] in types
+        assert all(Path(m.path).is_file() and Path(m.path).is_relative_to(questions / "drill") for m in sample.media)
+    with pytest.raises(ValueError, match="no questions of the drilled types"):
+        build.drill_rows(questions / "drill/train.jsonl", "drill", ("no_such_type",))
