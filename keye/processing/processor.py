@@ -295,6 +295,39 @@ class KeyeProcessor:
         )
         return d
 
+    def override_preprocessor(self, overrides: dict[str, Any], where: str = "preprocessor overrides") -> None:
+        """Replace fields of ``preprocessor_config.json`` in place (e.g. ``{"max_pixels": 25088}``).
+
+        ``video_defaults`` is merged key by key into the current one, so ``{"video_defaults":
+        {"max_pixels": 25088}}`` keeps its fps and frame limits. The result is validated as a loaded file
+        would be, and :meth:`save_pretrained` writes it, so a checkpoint trained at the new budget carries
+        it. Raises :class:`KeyeConfigError` naming ``where`` for an unknown field or an invalid result,
+        leaving the processor unchanged.
+        """
+        if not overrides:
+            return
+        current = self.image_processor.config
+        fields = set(current.__dataclass_fields__) - {"variant"}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise KeyeConfigError(
+                f"{where}: unknown preprocessor field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}"
+            )
+        merged = current.to_dict()
+        for key, value in overrides.items():
+            if key == "video_defaults":
+                if not isinstance(value, dict):
+                    raise KeyeConfigError(f"{where}: video_defaults must be a mapping, got {value!r}")
+                merged["video_defaults"] = {**(current.video_defaults or {}), **value}
+            else:
+                merged[key] = value
+        try:
+            new = ImageProcessorConfig.from_dict(merged, self.variant)
+            VideoOptions.from_item(new.video_defaults, item=where)
+        except (KeyeConfigError, KeyeInputError, TypeError) as err:
+            raise KeyeConfigError(f"{where}: {err}") from err
+        self.image_processor.config = new
+
     # ------------------------------------------------------------------------------------------------------
     # Decoding
 

@@ -226,6 +226,10 @@ class RLEPConfig:
 def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
     """Cross-field checks; raises :class:`KeyeConfigError` naming the key."""
     a, r = cfg.algorithm, cfg.rollout
+    if cfg.model.preprocessor:
+        # Rollout workers load the processor from a path of their own; a per-run override would not reach them.
+        raise KeyeConfigError("model.preprocessor is an SFT option: RL reads preprocessor_config.json from the "
+                              "checkpoint (or model.processor); export one trained at that budget with SFT")
     if r.G < 1:
         raise KeyeConfigError(f"rollout.G must be >= 1, got {r.G}")
     if cfg.replay.M < 0:

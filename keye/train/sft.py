@@ -81,6 +81,9 @@ class ModelSection:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    # preprocessor_config.json fields to change for this run (e.g. a bigger max_pixels); video_defaults is
+    # merged key by key. The exported checkpoint carries the result, so it is evaluated as it was trained.
+    preprocessor: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -808,6 +811,7 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         dtype = "bfloat16" if info.device.type == "cuda" else "float32"
     model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=cfg.model.attn_implementation)
     processor = KeyeProcessor.from_pretrained(resolve_model_path(cfg.model.processor or cfg.model.path))
+    processor.override_preprocessor(cfg.model.preprocessor, where="model.preprocessor")
     model.train()
     # Data-parallel/sharded ranks must run identical modules even when a micro-batch has no pixels.
     model.always_run_vision = info.distributed

@@ -41,3 +41,42 @@ def test_processor_applies_checkpoint_video_defaults(tmp_path):
     assert len(proc(msgs).video_meta[0].frame_types) == 3
     again = KeyeProcessor.from_pretrained(proc.save_pretrained(tmp_path / "saved"))
     assert again.image_processor.config.video_defaults == pre["video_defaults"]
+
+
+def test_override_preprocessor_raises_the_frame_budget_and_is_saved(tmp_path):
+    d = make_tiny_processor_dir(tmp_path / "proc", variant="1.5")
+    pre = json.loads((d / "preprocessor_config.json").read_text())
+    pre["video_defaults"] = {"floor_pixels": 3136, "max_pixels": 12544, "max_frames": 6}
+    pre["max_pixels"] = 12544
+    (d / "preprocessor_config.json").write_text(json.dumps(pre))
+    video = make_test_video(tmp_path / "v.mp4", n_frames=40, fps=10, size=(224, 112), pattern="scenes")
+    msgs = [{"role": "user", "content": [{"type": "video", "video": str(video.path)}, {"type": "text", "text": "hi"}]}]
+    proc = KeyeProcessor.from_pretrained(d)
+    before = max(proc(msgs).video_meta[0].frame_tokens)
+    proc.override_preprocessor({"max_pixels": 25088, "video_defaults": {"max_pixels": 25088}})
+    after = proc(msgs).video_meta[0]
+    # 224 x 112 fits the new budget unscaled: 16 x 8 patches, 32 merged tokens per key frame.
+    assert before < 32 and max(after.frame_tokens) == 32
+    assert len(after.frame_types) == 6  # the other video defaults are kept
+    saved = json.loads((proc.save_pretrained(tmp_path / "saved") / "preprocessor_config.json").read_text())
+    assert saved["max_pixels"] == 25088
+    assert saved["video_defaults"] == {"floor_pixels": 3136, "max_pixels": 25088, "max_frames": 6}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"max_pixel": 25088}, "unknown preprocessor field.*max_pixel"),
+        ({"min_pixels": 10**12}, "invalid image processor config"),
+        ({"video_defaults": {"max_pixels": -1}}, "max_pixels must be a positive number"),
+        ({"video_defaults": 25088}, "video_defaults must be a mapping"),
+    ],
+)
+def test_override_preprocessor_rejects_bad_fields_and_keeps_the_old_config(tmp_path, overrides, message):
+    from keye.errors import KeyeConfigError
+
+    proc = KeyeProcessor.from_pretrained(make_tiny_processor_dir(tmp_path / "proc", variant="1.5"))
+    old = proc.image_processor.config
+    with pytest.raises(KeyeConfigError, match=f"model.preprocessor: .*{message}"):
+        proc.override_preprocessor(overrides, where="model.preprocessor")
+    assert proc.image_processor.config is old

@@ -303,3 +303,13 @@ def test_k1_kl_loss_is_rejected():
     validate(load_config(RLEPConfig, None, ["algorithm.reference=true", "algorithm.kl_reward_coef=0.01"]))
     with pytest.raises(KeyeConfigError, match="algorithm.kl_reward_coef"):
         validate(load_config(RLEPConfig, None, ["algorithm.kl_reward_coef=0.01"]))
+
+
+def test_rl_config_rejects_the_sft_only_preprocessor_override():
+    from keye.rl.config import RLEPConfig, validate
+    from keye.train.config import load_config
+
+    cfg = load_config(RLEPConfig, None, [])
+    cfg.model.preprocessor = {"max_pixels": 25088}
+    with pytest.raises(KeyeConfigError, match="model.preprocessor is an SFT option"):
+        validate(cfg)

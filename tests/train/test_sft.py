@@ -96,6 +96,28 @@ def test_align_stage_freezes_towers(tiny_ckpt, synth_set, tmp_path):
     assert changed and all(k.startswith("mlp_AR.") for k in changed)
 
 
+def test_preprocessor_override_trains_at_the_new_budget_and_is_exported(tiny_ckpt, synth_set, tmp_path):
+    base = json.loads((Path(tiny_ckpt) / "preprocessor_config.json").read_text())
+    small = max(base["min_pixels"], 28 * 28 * 4)
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(f"model:\n  preprocessor:\n    max_pixels: {small}\n    video_defaults:\n      max_pixels: {small}\n      floor_pixels: {small}\n")
+    args = (f"model.path={tiny_ckpt}", f"data.manifest={synth_set['train']}", "data.batch_tokens=1536",
+            "train.max_steps=1", "log.progress=false", "log.tensorboard=false")
+    cfg = load_config(SFTConfig, yaml, [*args, f"checkpoint.out_dir={tmp_path / 'small'}"])
+    small_run = train(cfg)
+    plain_run = train(load_config(SFTConfig, None, [*args, f"checkpoint.out_dir={tmp_path / 'plain'}"]))
+    saved = json.loads((tmp_path / "small/final/preprocessor_config.json").read_text())
+    assert saved["max_pixels"] == small and saved["video_defaults"]["max_pixels"] == small
+    assert json.loads((tmp_path / "plain/final/preprocessor_config.json").read_text())["max_pixels"] == base["max_pixels"]
+    # fewer vision tokens per sample (so the packed micro-batch holds more samples)
+    per_sample = [r["tokens"] / r["samples"] for r in (small_run, plain_run)]
+    assert per_sample[0] < 0.8 * per_sample[1], per_sample
+    bad = load_config(SFTConfig, None, [*args, f"checkpoint.out_dir={tmp_path / 'bad'}"])
+    bad.model.preprocessor = {"max_pixel": 1}
+    with pytest.raises(KeyeConfigError, match="model.preprocessor: unknown preprocessor field"):
+        train(bad)
+
+
 @pytest.mark.slow
 def test_lora_run_exports_merged_official_layout(tiny_ckpt, synth_set, tmp_path):
     summary = train(_cfg(tiny_ckpt, synth_set, tmp_path / "lora", "train.max_steps=2", "lora.enabled=true",
