@@ -23,7 +23,7 @@ from their last checkpoint):
      (training/configs/tiny_synth.yaml)
      SFT stage 3, drills: stage 2's rows plus fresh questions of the weakest multiple-choice types
      (position, detail) drawn with a seed no test split uses, 600 steps at a tenth of the rate and twice
-     the frame budget (25,088 pixels, which the final model keeps)
+     the video frame budget (25,088 pixels, which the final model keeps)
                                                                         runs/tiny_drill/final
      (training/configs/tiny_synth_drill.yaml; --no-drills ends the build at stage 2)
   7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
@@ -75,7 +75,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 # Small frames so a 2-core CPU can train and serve the model: images and slow video frames at most
-# 112x112 (16 tokens; stage 3 doubles the budget, training/configs/tiny_synth_drill.yaml), a 4-token floor for fast frames, 2 fps (the synthetic events sit on a 0.5 s
+# 112x112 (16 tokens; stage 3 doubles the video budget, training/configs/tiny_synth_drill.yaml), a 4-token floor for fast frames, 2 fps (the synthetic events sit on a 0.5 s
 # grid), up to 16 frames. Fewer tokens per frame also means a bigger share of each token is object,
 # which is what lets a from-scratch model start using the pixels.
 MAX_PIXELS = 12544
