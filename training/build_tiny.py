@@ -75,9 +75,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 # Small frames so a 2-core CPU can train and serve the model: images and slow video frames at most
-# 112x112 (16 tokens; stage 3 doubles the video budget, training/configs/tiny_synth_drill.yaml), a 4-token floor for fast frames, 2 fps (the synthetic events sit on a 0.5 s
-# grid), up to 16 frames. Fewer tokens per frame also means a bigger share of each token is object,
-# which is what lets a from-scratch model start using the pixels.
+# 112x112 (16 tokens; stage 3 doubles the video budget, training/configs/tiny_synth_drill.yaml), a 4-token
+# floor for fast frames, 2 fps (the synthetic events sit on a 0.5 s grid), up to 16 frames. Fewer tokens per
+# frame also means a bigger share of each token is object, which is what lets a from-scratch model start using
+# the pixels.
 MAX_PIXELS = 12544
 VIDEO_DEFAULTS = {"floor_pixels": 3136, "max_pixels": MAX_PIXELS, "fps": 2.0, "max_frames": 16}
 SEE_STEPS = 800  # vision pretraining (training/pretrain_vision.py)
