@@ -17,18 +17,35 @@ from keye.errors import KeyeConfigError
 
 # One clip per question type, from the test split (never trained on), seed 0 as the shipped set.
 EXAMPLE_TYPES = ("direction", "color_change", "order")
+# A newcomer should see the scene before and after what the question asks about: an example clip lasts at
+# least MIN_SECONDS and every event in it is at least EVENT_MARGIN seconds from either end. The rule came in
+# after keye-tiny answered the previous colour-change example (a change 0.5 s into an 8 s clip) wrongly; it
+# reads only the scene, never the model, and the README's keye-tiny section reports both examples.
+MIN_SECONDS = 4.0
+EVENT_MARGIN = 1.0
 MANIFEST = "examples.json"
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "demo" / "examples"
+
+
+def shows_its_events(meta: dict[str, Any], min_seconds: float = MIN_SECONDS,
+                     margin: float = EVENT_MARGIN) -> bool:
+    """Whether a synthetic sample's scene (its row's ``meta``) makes a watchable example: a video of at least
+    ``min_seconds`` whose every event lies at least ``margin`` seconds from the start and from the end."""
+    if meta.get("modality") != "video" or float(meta["duration"]) < min_seconds:
+        return False
+    end = float(meta["duration"]) - margin
+    return all(margin <= float(e["t"]) <= end for e in meta.get("events", []))
 
 
 def write_examples(
     out_dir: str | Path, types: tuple[str, ...] = EXAMPLE_TYPES, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Render one test-split clip per question type into ``out_dir`` as ``<type>.mp4`` and write
-    ``examples.json`` (``[{"video", "question", "answer", "question_type"}]``, video names relative).
+    ``examples.json`` (``[{"video", "question", "answer", "question_type", "id"}]``, video names relative).
 
-    Scans test indices in order and keeps the first video sample of each type, so the result is
-    deterministic. Raises :class:`KeyeConfigError` if a type is not found in the first 400 samples.
+    Scans test indices in order and keeps the first video sample of each type that
+    :func:`shows_its_events`, so the result is deterministic and independent of any model. Raises
+    :class:`KeyeConfigError` if a type is not found in the first 400 samples.
     """
     from keye.data.synth import make_sample
 
@@ -41,7 +58,7 @@ def write_examples(
                 break
             row = make_sample(tmp, "test", index, seed, 0.1)
             qtype = row["question_type"]
-            if qtype not in types or qtype in found or row["meta"]["modality"] != "video":
+            if qtype not in types or qtype in found or not shows_its_events(row["meta"]):
                 continue
             media = row["messages"][0]["content"][0]["video"]
             shutil.copyfile(Path(tmp) / media, out / f"{qtype}.mp4")

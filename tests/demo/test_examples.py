@@ -1,0 +1,53 @@
+"""The demo's bundled example clips: chosen by a rule that ignores the model, committed as rendered, and
+answered correctly by the installed keye-tiny (they are what a newcomer tries first)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keye.demo.examples import EXAMPLE_TYPES, REPO_EXAMPLES, load_examples, shows_its_events, write_examples
+
+
+@pytest.mark.parametrize(
+    ("meta", "ok"),
+    [
+        ({"modality": "video", "duration": 8.0, "events": [{"t": 3.5}]}, True),
+        ({"modality": "video", "duration": 4.0, "events": [{"t": 1.0}, {"t": 3.0}]}, True),
+        ({"modality": "video", "duration": 8.0, "events": [{"t": 0.5}]}, False),  # too early to see before
+        ({"modality": "video", "duration": 5.0, "events": [{"t": 2.0}, {"t": 4.5}]}, False),  # too late
+        ({"modality": "video", "duration": 3.5, "events": [{"t": 1.5}]}, False),  # too short
+        ({"modality": "video", "duration": 6.0, "events": []}, True),
+        ({"modality": "image", "duration": 6.0, "events": []}, False),
+    ],
+)
+def test_an_example_shows_the_scene_before_and_after_its_events(meta, ok):
+    assert shows_its_events(meta) is ok
+
+
+def test_committed_examples_are_what_the_rule_renders(tmp_path):
+    rows = write_examples(tmp_path)
+    assert [r["question_type"] for r in rows] == list(EXAMPLE_TYPES)
+    committed = json.loads((REPO_EXAMPLES / "examples.json").read_text())
+    assert committed == rows, "demo/examples is stale: run `python demo/make_examples.py`"
+    for r in rows:
+        assert (REPO_EXAMPLES / r["video"]).stat().st_size > 0
+
+
+def test_keye_tiny_answers_every_example():
+    from keye.eval.runner import KeyeEngine
+    from keye.eval.synth import extract, is_correct
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+    from keye.tiny import tiny_dir
+
+    rows = load_examples()
+    model = KeyeVL.from_pretrained(tiny_dir(), torch_dtype="float32")
+    engine = KeyeEngine(model, KeyeProcessor.from_pretrained(tiny_dir()), batch_size=len(rows), max_new_tokens=12)
+    convs = [[{"role": "user", "content": [{"type": "video", "video": r["video"]},
+                                           {"type": "text", "text": r["question"]}]}] for r in rows]
+    for r, reply in zip(rows, engine.generate(convs)):
+        choices = [line[3:] for line in r["question"].splitlines() if line[:1].isupper() and line[1:3] == ". "]
+        item = {"answer_kind": "mc", "choices": choices, "answer": r["answer"]}
+        assert is_correct(extract(reply, item), item), (r["question_type"], reply, r["answer"])
