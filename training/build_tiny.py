@@ -226,24 +226,9 @@ def eval_figures(real_dir: Path, blank_dir: Path) -> dict[str, Any]:
 def demo_figures(model_dir: Path) -> list[dict[str, Any]]:
     """keye-tiny's greedy answers to the demo's example clips (what a newcomer tries first), scored by the
     set's own rule."""
-    from keye.demo.examples import load_examples
-    from keye.eval.runner import KeyeEngine
-    from keye.eval.synth import extract, is_correct
-    from keye.model.keye_vl import KeyeVL
-    from keye.processing.processor import KeyeProcessor
+    from keye.demo.examples import answer_examples
 
-    rows = load_examples()
-    model = KeyeVL.from_pretrained(model_dir, torch_dtype="float32")
-    engine = KeyeEngine(model, KeyeProcessor.from_pretrained(model_dir), batch_size=len(rows), max_new_tokens=12)
-    convs = [[{"role": "user", "content": [{"type": "video", "video": r["video"]},
-                                           {"type": "text", "text": r["question"]}]}] for r in rows]
-    out = []
-    for r, answer in zip(rows, engine.generate(convs)):
-        options = [line[3:] for line in r["question"].splitlines() if line[:1].isupper() and line[1:3] == ". "]
-        item = {"answer_kind": "mc", "choices": options, "answer": r["answer"]}
-        out.append({"question_type": r["question_type"], "answer": r["answer"], "response": answer.strip(),
-                    "correct": is_correct(extract(answer, item), item)})
-    return out
+    return answer_examples(model_dir)
 
 
 def probe_figures(model_dir: Path, see: dict[str, Any] | None) -> dict[str, Any]:

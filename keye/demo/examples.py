@@ -91,3 +91,28 @@ def load_examples(directory: str | Path | None = None) -> list[dict[str, Any]]:
     write_examples(cache)
     rows = json.loads((cache / MANIFEST).read_text())
     return [{**r, "video": str(cache / r["video"])} for r in rows]
+
+
+def answer_examples(model_dir: str | Path, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A checkpoint's greedy answers (12 new tokens at most) to the example clips (default:
+    :func:`load_examples`), scored by the synthetic set's rule (a letter or the option's text, the MMMU rule).
+
+    Returns one ``{"question_type", "answer", "response", "correct"}`` per example, in order.
+    """
+    from keye.eval.runner import KeyeEngine
+    from keye.eval.synth import extract, is_correct
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    rows = load_examples() if rows is None else rows
+    model = KeyeVL.from_pretrained(model_dir, torch_dtype="float32")
+    engine = KeyeEngine(model, KeyeProcessor.from_pretrained(model_dir), batch_size=len(rows), max_new_tokens=12)
+    convs = [[{"role": "user", "content": [{"type": "video", "video": r["video"]},
+                                           {"type": "text", "text": r["question"]}]}] for r in rows]
+    out = []
+    for r, reply in zip(rows, engine.generate(convs)):
+        options = [line[3:] for line in r["question"].splitlines() if line[:1].isupper() and line[1:3] == ". "]
+        item = {"answer_kind": "mc", "choices": options, "answer": r["answer"]}
+        out.append({"question_type": r["question_type"], "answer": r["answer"], "response": reply.strip(),
+                    "correct": is_correct(extract(reply, item), item)})
+    return out
