@@ -18,9 +18,8 @@ from keye.errors import KeyeConfigError
 # One clip per question type, from the test split (never trained on), seed 0 as the shipped set.
 EXAMPLE_TYPES = ("direction", "color_change", "order")
 # A newcomer should see the scene before and after what the question asks about: an example clip lasts at
-# least MIN_SECONDS and every event in it is at least EVENT_MARGIN seconds from either end. The rule came in
-# after keye-tiny answered the previous colour-change example (a change 0.5 s into an 8 s clip) wrongly; it
-# reads only the scene, never the model, and the README's keye-tiny section reports both examples.
+# least MIN_SECONDS and every event in it is at least EVENT_MARGIN seconds from either end. The rule reads only
+# the scene, never a model (its history: README, keye-tiny).
 MIN_SECONDS = 4.0
 EVENT_MARGIN = 1.0
 MANIFEST = "examples.json"
