@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from keye.model.keye_vl import KeyeVL
+    from keye.processing.chat import parse_response
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
     from keye.rl import LocalRollout, load_rl_prompts
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     items = {}
     for n, line in enumerate(Path(args.data).read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"{args.data}:{n}: not a JSON row ({err})") from None
             think = (row.get("modes") or {}).get("think")
             if think is None:
                 raise SystemExit(f"{args.data}:{n}: no modes.think reference trace (write it with keye data synth --modes)")
@@ -88,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_rl_prompts(args.data)
     roles = expand(prompts)
     scorer = RewardScorer(RewardSpec.from_dict({"rewards": ["accuracy"]}))  # tiny_autothink_rl.yaml's reward
-    from keye.processing.chat import parse_response
 
     rows = []
     decodings = [("greedy", 1e-4, 1), (f"T={args.temperature:g}", args.temperature, args.samples)]
     for name, temperature, count in decodings:
-        # a temperature of 1e-4 samples the arg-max token unless two logits tie to within ~1e-4
+        # at temperature 1e-4 a token 1e-3 below the arg-max logit is drawn with probability ~exp(-10)
         engine = LocalRollout(model, proc, max_new_tokens=args.max_new_tokens, temperature=temperature,
                               seed=args.seed)
         for mode, role in (("think", "think"), ("no_think", "direct")):
