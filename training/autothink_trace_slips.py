@@ -26,7 +26,7 @@ from typing import Any
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregate per-reply rows (``decoding``, ``mode``, ``type``, ``passed``, ``trace_exact``, ``cause``) into
+    """Aggregate per-reply rows (``decoding``, ``mode``, ``type``, ``passed``, ``trace_exact``) into
     accuracy per decoding and mode, the think - no_think edge (overall and per type), the trace-exact rate of
     think replies and the causes of wrong think replies."""
     out: dict[str, Any] = {}
@@ -44,7 +44,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "edge": acc["think"] - acc["no_think"],
             "think_trace_exact": _mean([r["trace_exact"] for r in think]),
             "wrong_think": len(wrong),
-            "wrong_think_with_exact_trace": sum(r["cause"] == "wrong_exact_trace" for r in wrong),
+            "wrong_think_with_exact_trace": sum(r["trace_exact"] for r in wrong),
             "edge_by_type": {t: _mean(m["think"]) - _mean(m["no_think"]) for t, m in sorted(per_type.items())},
         }
     return out
@@ -65,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the summary")
     args = ap.parse_args(argv)
 
-    import torch
-
     from keye.model.keye_vl import KeyeVL
     from keye.processing.chat import parse_response
     from keye.processing.processor import KeyeProcessor
@@ -85,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             think = (row.get("modes") or {}).get("think")
             if think is None:
                 raise SystemExit(f"{args.data}:{n}: no modes.think reference trace (write it with keye data synth --modes)")
-            items[row["id"]] = (row["question_type"], think)
-    torch.manual_seed(args.seed)
+            items[row["id"]] = (row["question_type"], parse_response(think).think or "")
     model = KeyeVL.from_pretrained(args.checkpoint, torch_dtype="float32").eval()
     proc = KeyeProcessor.from_pretrained(args.checkpoint)
     prompts = load_rl_prompts(args.data)
@@ -103,13 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             samples = engine.generate(roles[role], count)
             scores = scorer(samples)
             for s, ok in zip(samples, scores.passed):
-                qtype, ref = items[s.prompt.id]
-                ref_think = parse_response(ref).think or ""
+                qtype, ref_think = items[s.prompt.id]
                 got = parse_response(s.text).think
-                exact = got is not None and got.strip() == ref_think.strip()
-                cause = "correct" if ok else "wrong_exact_trace" if exact else "wrong_trace"
                 rows.append({"decoding": name, "mode": mode, "type": qtype, "passed": bool(ok),
-                             "trace_exact": exact, "cause": cause})
+                             "trace_exact": got is not None and got.strip() == ref_think.strip()})
             print(f"{name} {mode}: {len(samples)} replies", file=sys.stderr, flush=True)
     summary = {"checkpoint": str(args.checkpoint), "data": str(args.data), "questions": len(prompts),
                **summarise(rows)}

@@ -18,8 +18,7 @@ _spec.loader.exec_module(slips)
 
 
 def _row(dec, mode, qtype, passed, exact=False):
-    cause = "correct" if passed else "wrong_exact_trace" if exact else "wrong_trace"
-    return {"decoding": dec, "mode": mode, "type": qtype, "passed": passed, "trace_exact": exact, "cause": cause}
+    return {"decoding": dec, "mode": mode, "type": qtype, "passed": passed, "trace_exact": exact}
 
 
 def test_summarise_counts_accuracy_edges_and_causes():
