@@ -22,6 +22,7 @@ detail         mc      shape of a tiny object shown for ~1 s (with ``detail_cut`
 position       mc      (image-only) whether one object is left or right of another
 when_gap       numeric (opt-in) how many whole seconds after one object the other appears
 when_sum       numeric (opt-in) the sum of the (whole-second) times at which three objects appear
+price_sum      numeric (opt-in) what three shapes cost together, at prices the question gives (1-5 each)
 ============== ======= ==================================================================
 
 Opt-in types (:data:`EXTRA_VIDEO_TYPES`, ``extra_types={"when_gap": w}``, ``keye data synth --extra-type
@@ -29,8 +30,14 @@ when_gap=W``) are drawn only when asked for, with weight ``w`` beside the defaul
 default set is unchanged. ``when_gap`` is a two-step question: two appearance times, then their
 difference; its think-mode trace writes the subtraction out (``"; 4.0 - 1.0 = 3.0"``). ``when_sum`` chains
 two additions over three appearance times (``"; 1.0 + 2.0 = 3.0; 3.0 + 4.0 = 7.0"``): answered directly it
-is a function of three perceived numbers, step by step two small additions. They are the AutoThink
-experiment's candidates for a type on which writing the steps helps a small model.
+is a function of three perceived numbers, step by step two small additions. ``price_sum`` gives a price
+(1-5, drawn per question) for each of the four shapes in the question text and asks what the three shapes
+on screen cost together; its trace names each shape with its price, then adds (``"; square 4, circle 2,
+triangle 1; 4 + 2 = 6; 6 + 1 = 7"``). Its readings are shapes, the tiny model's most reliable look, and its
+direct answer must bind each seen shape to a number that changes with every question, then add three: the
+composition a few layers cannot do in one step, which the trace turns into lookups and two small
+additions. They are the AutoThink experiment's candidates for a type on which writing the steps helps a
+small model.
 
 Two opt-in scene options leave the default set unchanged. ``detail_cut`` (``keye data synth --detail-cut``)
 redraws the detail scenes so that their answer reaches the model at key-frame resolution: by default the tiny
@@ -120,12 +127,12 @@ VIDEO_TYPES: dict[str, float] = {
 }
 IMAGE_TYPES: dict[str, float] = {"color": 1.0, "shape": 1.0, "count": 1.0, "position": 1.0}
 # Video question types drawn only when asked for by name (``extra_types``): the default set stays as it was.
-EXTRA_VIDEO_TYPES = frozenset({"when_gap", "when_sum"})
+EXTRA_VIDEO_TYPES = frozenset({"when_gap", "when_sum", "price_sum"})
 SPLIT_CODES = {"train": 0, "test": 1, "warmup": 2}
 # Question types whose answer is read off a timeline or a list (a count, a comparison of appearance times,
 # the second of an event): the auto label thinks on these and answers the rest directly.
 THINK_TYPES = frozenset({"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap",
-                         "when_sum"})
+                         "when_sum", "price_sum"})
 THINKING_MODES = ("think", "no_think", "auto")
 
 
@@ -481,6 +488,19 @@ def make_scene(rng: np.random.Generator, qtype: str, image: bool, detail_cut: bo
             events.append({"t": t_a, "event": "appear", "object": o.name})
         ans, kind, tol = f"{sum(times):.1f}", "numeric", GRID
         text = "What is the sum of the times (in seconds) at which the three shapes appear? Answer with a number."
+    elif qtype == "price_sum":
+        # Three shapes (all different) appear on whole seconds 0..2 and stay; the question gives a price for
+        # each of the four shapes, drawn per question, and asks what the three cost together. The answer
+        # binds what is seen to numbers that change from question to question (no price can be memorised)
+        # and adds three of them: one look per shape, then a lookup and two small additions.
+        duration = max(duration, 4.0)
+        prices = {s_: int(p_) for s_, p_ in zip(SHAPES, rng.integers(1, 6, size=len(SHAPES)))}
+        for (s_, c_), t_a in zip(_distinct_objects(rng, 3), rng.integers(0, 3, size=3)):
+            o = static(s_, c_, hi=r_crowd, t_appear=float(t_a))
+            events.append({"t": float(t_a), "event": "appear", "object": o.name})
+        ans, kind = str(sum(prices[o.shape] for o in objs)), "numeric"
+        listing = ", ".join(f"{s_} {p_}" for s_, p_ in prices.items())
+        text = f"Prices: {listing}. What do the three shapes in the video cost in total? Answer with a number."
     elif qtype == "detail":
         # A tiny shape visible for 1 s among big distractors: the answer is in the high-resolution detail of
         # the few frames that show it. By default it appears alone mid-clip (radius 6 % of the side), which
@@ -621,6 +641,12 @@ def _conclusion(scene: Scene, target: str) -> str | None:
     if q == "when_sum":  # the three appearance times are in the caption (in this order); add them up
         t = sorted(float(o.t_appear) for o in scene.objects)
         return f"{t[0]:.1f} + {t[1]:.1f} = {t[0] + t[1]:.1f}; {t[0] + t[1]:.1f} + {t[2]:.1f} = {sum(t):.1f}"
+    if q == "price_sum":  # each shape of the caption (in its order) with its price, then the running total
+        prices = _prices(scene.question)
+        objs = sorted(scene.objects, key=lambda o: (o.t_appear, o.x))
+        a, b, c = (prices[o.shape] for o in objs)
+        listed = ", ".join(f"{o.shape} {prices[o.shape]}" for o in objs)
+        return f"{listed}; {a} + {b} = {a + b}; {a + b} + {c} = {a + b + c}"
     if q == "when_gap":  # the two appearance times are in the caption; write the subtraction out
         t1, t2 = sorted(float(o.t_appear) for o in scene.objects)
         return f"{t2:.1f} - {t1:.1f} = {t2 - t1:.1f}"
@@ -633,6 +659,12 @@ def _conclusion(scene: Scene, target: str) -> str | None:
         return f"touch at {ev['t']:.1f}"
     verb = {"appear": "appears", "change": "turns", "leave": "gone"}[ev["event"]]
     return f"{ev['object']} {verb} at {ev['t']:.1f}"
+
+
+def _prices(question: str) -> dict[str, int]:
+    """The price list of a ``price_sum`` question (``"Prices: circle 2, square 4, ..."``)."""
+    listing = question.split("Prices: ", 1)[1].split(".", 1)[0]
+    return {shape: int(price) for shape, price in (item.rsplit(" ", 1) for item in listing.split(", "))}
 
 
 def reasoning_trace(scene: Scene, target: str, places: bool = False) -> str:

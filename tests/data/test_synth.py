@@ -87,12 +87,32 @@ def test_when_sum_matches_pixels(tmp_path: Path, k: int):
     assert sc.duration - max(firsts) >= 2  # every shape stays on screen for at least two seconds
 
 
+@pytest.mark.parametrize("k", range(3))
+def test_price_sum_answer_is_the_price_of_the_shapes_on_screen(tmp_path: Path, k: int):
+    sc, frames = _scene_video("price_sum", k, tmp_path)
+    firsts = _appearances(sc, frames)
+    assert len(firsts) == 3 and max(firsts) <= 2 and sc.duration - max(firsts) >= 2
+    listing = re.search(r"Prices: (.*?)\. What do the three shapes", sc.question).group(1)
+    prices = {shape: int(p) for shape, p in (item.split(" ") for item in listing.split(", "))}
+    assert sorted(prices) == sorted(("circle", "square", "triangle", "diamond"))
+    assert all(1 <= p <= 5 for p in prices.values())
+    on_screen = [o for o in sc.objects if _present(frames[-1], o.color)]
+    assert len(on_screen) == 3 and len({o.shape for o in on_screen}) == 3
+    assert int(sc.answer) == sum(prices[o.shape] for o in on_screen) and sc.answer_kind == "numeric"
+
+
+def test_price_sum_prices_change_from_question_to_question():
+    lists = {make_scene(np.random.default_rng([9, k]), "price_sum", image=False).question.split(". ")[0]
+             for k in range(20)}
+    assert len(lists) >= 15  # drawn per question: no shape has a price to memorise
+
+
 def test_extra_types_are_opt_in_and_checked(tmp_path: Path):
     from keye.data.cli import parse_type_weights
     from keye.errors import KeyeConfigError
 
     plain = _rows(generate_split(tmp_path / "a", "train", 30, seed=4, workers=0, progress=False))
-    assert not {"when_gap", "when_sum"} & {r["question_type"] for r in plain}
+    assert not {"when_gap", "when_sum", "price_sum"} & {r["question_type"] for r in plain}
     gap = _rows(generate_split(tmp_path / "b", "train", 30, seed=4, workers=0, progress=False,
                                extra_types={"when_gap": 50.0}))
     kinds = [r["question_type"] for r in gap]

@@ -107,6 +107,18 @@ def test_sum_trace_adds_the_three_appearance_times_in_caption_order():
         assert all(float(o.t_appear).is_integer() and 0 <= o.t_appear <= 4 for o in sc.objects)
 
 
+def test_price_trace_names_each_shape_with_its_price_then_adds_in_caption_order():
+    for sc, target in _scenes("price_sum", 40):
+        listing, priced, first_step, second_step = reasoning_trace(sc, target).split("; ")
+        objs = sorted(sc.objects, key=lambda o: (o.t_appear, o.x))
+        assert listing == ", ".join(f"{o.color} {o.shape} at {o.t_appear:.1f}" for o in objs)
+        prices = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+) (\d)(?:,|\.)", sc.question)}
+        a, b, c = (prices[o.shape] for o in objs)
+        assert priced == ", ".join(f"{o.shape} {prices[o.shape]}" for o in objs)
+        assert first_step == f"{a} + {b} = {a + b}"
+        assert second_step == f"{a + b} + {c} = {target}" and int(target) == a + b + c
+
+
 def test_order_trace_lists_candidate_times_and_names_the_first():
     for sc, target in _scenes("order", 40):
         trace = reasoning_trace(sc, target)
@@ -118,7 +130,7 @@ def test_order_trace_lists_candidate_times_and_names_the_first():
         assert listed == sorted(((f"{o.color} {o.shape}", o.t_appear) for o in sc.objects), key=lambda x: x[1])
 
 
-@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position", "when_gap", "when_sum"])
+@pytest.mark.parametrize("qtype", sorted(VIDEO_TYPES) + ["position", "when_gap", "when_sum", "price_sum"])
 def test_three_formats_parse_as_their_modes(qtype):
     for sc, target in _scenes(qtype, 6, image=qtype == "position"):
         m = mode_targets(sc, target)
@@ -136,7 +148,7 @@ def test_three_formats_parse_as_their_modes(qtype):
 
 def test_direct_types_are_exactly_the_non_stepwise_ones():
     assert THINK_TYPES == {"count", "order", "when_appear", "when_change", "when_collide", "when_leave", "when_gap",
-                           "when_sum"}
+                           "when_sum", "price_sum"}
     for qtype in ("color", "shape", "direction", "detail", "color_change"):
         sc, target = next(_scenes(qtype, 1))
         assert mode_targets(sc, target)["auto"] == f"<analysis>/no_think</analysis>{target}"
