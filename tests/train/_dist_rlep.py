@@ -1,9 +1,12 @@
-"""Run one RLEP job (used by test_rlep.py / test_rlep_scale.py under torchrun); args: OUT_DIR [key=value ...].
-Every rank writes ``checksum_rank<r>.txt`` (the sum of its parameters) into OUT_DIR so the test can check
-that the replicas agree (files, not stdout: torchrun does not guarantee every rank's output reaches it).
-With ``rollout.engine=vllm`` the recording stand-in ``_fake_vllm`` serves as ``vllm`` (its environment
+"""Run RLEP jobs (used by test_rlep.py / test_rlep_scale.py / test_rl_sharded.py under torchrun).
+
+Args: ``OUT_DIR [key=value ...] [-- OUT_DIR [key=value ...] ...]``: each ``--``-separated job runs in turn in
+the same process group, so one torchrun launch serves several runs (each ``train`` call seeds its own random
+state). Every rank writes ``checksum_rank<r>.txt`` (the sum of its parameters) into a job's OUT_DIR so the test
+can check that the replicas agree (files, not stdout: torchrun does not guarantee every rank's output reaches
+it). With ``rollout.engine=vllm`` the recording stand-in ``_fake_vllm`` serves as ``vllm`` (its environment
 variable ``FAKE_VLLM_PLACEHOLDER_RANKS`` makes chosen ranks sample only placeholder ids, i.e. no loss token).
-``stop_after=N`` among the arguments stops after N steps without the final save (a simulated crash)."""
+``stop_after=N`` among a job's arguments stops it after N steps without the final save (a simulated crash)."""
 
 import os
 import sys
@@ -13,18 +16,30 @@ from keye.train import dist as kdist
 from keye.train.config import load_config
 from keye.train.rlep import RLEPConfig, train
 
+
+def _jobs(argv: list[str]) -> list[list[str]]:
+    jobs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    return [j for j in jobs if j]
+
+
 if __name__ == "__main__":
-    out_dir, *overrides = sys.argv[1:]
-    stop_after = [int(x.split("=", 1)[1]) for x in overrides if x.startswith("stop_after=")]
-    overrides = [x for x in overrides if not x.startswith("stop_after=")]
-    if "rollout.engine=vllm" in overrides:
+    jobs = _jobs(sys.argv[1:])
+    if any("rollout.engine=vllm" in job for job in jobs):
         import _fake_vllm  # this script's folder is on sys.path
 
         _fake_vllm.install()
-    cfg = load_config(RLEPConfig, None, [f"checkpoint.out_dir={out_dir}", "train.strategy=ddp", *overrides])
     try:
-        summary = train(cfg, stop_after=stop_after[0] if stop_after else None)
-        rank = os.environ.get("RANK", "0")
-        (Path(out_dir) / f"checksum_rank{rank}.txt").write_text(repr(summary["param_checksum"]))
+        for out_dir, *overrides in jobs:
+            stop_after = [int(x.split("=", 1)[1]) for x in overrides if x.startswith("stop_after=")]
+            overrides = [x for x in overrides if not x.startswith("stop_after=")]
+            cfg = load_config(RLEPConfig, None, [f"checkpoint.out_dir={out_dir}", "train.strategy=ddp", *overrides])
+            summary = train(cfg, stop_after=stop_after[0] if stop_after else None)
+            rank = os.environ.get("RANK", "0")
+            (Path(out_dir) / f"checksum_rank{rank}.txt").write_text(repr(summary["param_checksum"]))
     finally:
         kdist.cleanup()

@@ -94,9 +94,16 @@ def _loop_args(tiny_ckpt, rl_set, *extra):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def loop_runs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+    """The loop under DDP, FSDP2 and ZeRO-3, and an FSDP2 run stopped after step 2 (``part``, the simulated
+    crash that test_fsdp2_kill_and_resume_equals_uninterrupted resumes in a fresh launch), as the jobs of ONE
+    torchrun launch (each train() call seeds its own random state; ZeRO-3 runs last): one launch, not four."""
     root = tmp_path_factory.mktemp("loops")
-    for name in ("ddp", "fsdp2", "zero3"):
-        _torchrun("_dist_rlep.py", root / name, *_loop_args(tiny_ckpt, rl_set, f"train.strategy={name}"))
+    jobs = [(root / "ddp", "train.strategy=ddp"), (root / "fsdp2", "train.strategy=fsdp2"),
+            (root / "part", "train.strategy=fsdp2", "stop_after=2"), (root / "zero3", "train.strategy=zero3")]
+    args: list[object] = []
+    for i, (out, *extra) in enumerate(jobs):
+        args += (["--"] if i else []) + [out, *_loop_args(tiny_ckpt, rl_set, *extra)]
+    _torchrun("_dist_rlep.py", *args)
     return root
 
 
@@ -122,13 +129,11 @@ def test_sharded_training_loop_equals_the_replicated_loop(loop_runs, strategy):
 
 
 @pytest.mark.slow
-def test_fsdp2_kill_and_resume_equals_uninterrupted(loop_runs, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
-    out = tmp_path / "part"
-    args = _loop_args(tiny_ckpt, rl_set, "train.strategy=fsdp2")
-    _torchrun("_dist_rlep.py", out, *args, "stop_after=2")
+def test_fsdp2_kill_and_resume_equals_uninterrupted(loop_runs, tiny_ckpt, rl_set):  # noqa: F811
+    out = loop_runs / "part"  # stopped after step 2 by the fixture's launch; resumed here in a fresh one
     assert not (out / "summary.json").exists() or not _summary(out)["finished"]
-    assert (out / "step_00000002" / "DONE").is_file()
-    _torchrun("_dist_rlep.py", out, *args)
+    assert (out / "step_00000002" / "DONE").is_file() and not (out / "step_00000003").exists()
+    _torchrun("_dist_rlep.py", out, *_loop_args(tiny_ckpt, rl_set, "train.strategy=fsdp2"))
     full, resumed = _summary(loop_runs / "fsdp2"), _summary(out)
     assert resumed["finished"] and resumed["steps"] == 3
     assert resumed["rewards"] == full["rewards"] and resumed["losses"] == full["losses"]
