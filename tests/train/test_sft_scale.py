@@ -79,23 +79,66 @@ def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     assert not bad, f"{len(bad)} tensors differ (update error, fraction off): {sorted(bad.items())[:5]}"
 
 
+# ------------------------------------------------------------------------ the jobs of the 2-process launch
+# The 2-process runs of three tests (ZeRO micro-batches, ZeRO kill and resume, bf16 DDP / FSDP2) are the jobs
+# of ONE torchrun launch (module fixture ``two_procs``): a launch with its DeepSpeed import costs seconds
+# whatever it runs. Each job writes its own folder and train() seeds every run's random state; the DDP and
+# FSDP2 jobs come first, before anything DeepSpeed has touched.
+MICRO = ("train.max_steps=3", "data.micro_batches=2")
+RESUME = ("data.batch_size=null", "data.batch_tokens=1280", "train.max_steps=3", "data.micro_batches=2",
+          "checkpoint.save_every=2", "checkpoint.keep_last=1")
+BF16 = ("model.dtype=bfloat16", "train.max_steps=3")
+
+
+def _micro_jobs(root: Path) -> list[tuple[Path, str, tuple[str, ...]]]:
+    return [(root / s, s, MICRO) for s in ("zero2", "zero3")]
+
+
+def _resume_jobs(root: Path) -> list[tuple[Path, str, tuple[str, ...]]]:
+    jobs = []
+    for s in ("zero2", "zero3"):  # uninterrupted; stopped after its step-2 checkpoint; resumed
+        jobs += [(root / s / "a", s, RESUME), (root / s / "b", s, (*RESUME, "stop_after=2")),
+                 (root / s / "b", s, RESUME)]
+    return jobs
+
+
+def _bf16_jobs(root: Path) -> list[tuple[Path, str, tuple[str, ...]]]:
+    return [(root / s, s, (*BF16, "data.micro_batches=1")) for s in ("ddp", "fsdp2")]
+
+
+@pytest.fixture(scope="module")
+def two_procs(tiny_ckpt, synth_set, tmp_path_factory) -> dict:
+    """Every 2-process job of this module in one launch; the summaries of each test's jobs, in job order."""
+    root = tmp_path_factory.mktemp("two_procs")
+    groups = {"bf16": _bf16_jobs(root / "bf16"), "micro": _micro_jobs(root / "micro"),
+              "resume": _resume_jobs(root / "resume")}
+    summaries = _torchrun(2, [job for jobs in groups.values() for job in jobs], tiny_ckpt, synth_set)
+    out, k = {"root": root}, 0
+    for name, jobs in groups.items():
+        out[name], k = summaries[k : k + len(jobs)], k + len(jobs)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_deepspeed_zero_micro_batches_match_plain_run(nproc, tiny_ckpt, synth_set, tmp_path):
+def test_deepspeed_zero_micro_batches_match_plain_run(nproc, tiny_ckpt, synth_set, tmp_path, request):
     """ZeRO-2 and ZeRO-3 with 2 micro-batches per rank update every optimizer step, exactly as the plain
     run with the same global batch (``nproc * 2`` samples per step): same losses, same parameters."""
-    steps = "train.max_steps=3"
-    ref = _plain(tiny_ckpt, synth_set, tmp_path / "plain", steps, f"data.micro_batches={2 * nproc}")
-    runs = _torchrun(nproc, [(tmp_path / s, s, (steps, "data.micro_batches=2")) for s in ("zero2", "zero3")],
-                     tiny_ckpt, synth_set)
+    ref = _plain(tiny_ckpt, synth_set, tmp_path / "plain", MICRO[0], f"data.micro_batches={2 * nproc}")
+    if nproc == 2:
+        shared = request.getfixturevalue("two_procs")
+        root, runs = shared["root"] / "micro", shared["micro"]
+    else:
+        root = tmp_path / "micro"
+        runs = _torchrun(nproc, _micro_jobs(root), tiny_ckpt, synth_set)
     want = _params(tmp_path / "plain")
     base = {name: handle.get_tensor(name) for name, _, handle in iter_tensors(tiny_ckpt)}
     for strategy, run in zip(("zero2", "zero3"), runs):
         assert run["strategy"] == strategy and run["world_size"] == nproc and run["steps"] == 3
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), strategy
         # The logged norm is the global one before clipping, as clip_grad_norm_ reports it (> 1: clipped).
-        assert _grad_norms(tmp_path / strategy) == pytest.approx(_grad_norms(tmp_path / "plain"), rel=1e-4)
-        _assert_params_close(_params(tmp_path / strategy), want, base)
+        assert _grad_norms(root / strategy) == pytest.approx(_grad_norms(tmp_path / "plain"), rel=1e-4)
+        _assert_params_close(_params(root / strategy), want, base)
 
 
 def _lora_bf16(tiny_ckpt, synth_set, out, *extra):
@@ -134,18 +177,12 @@ def test_lora_bf16_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tm
 
 
 @pytest.mark.slow
-def test_deepspeed_kill_and_resume_equals_uninterrupted(tiny_ckpt, synth_set, tmp_path):
-    """Two processes, 2 micro-batches each, ZeRO-2 and ZeRO-3 (one torchrun launch): a run stopped after its
-    step-2 checkpoint and resumed from it ends as the uninterrupted run (losses, parameters, and each rank's
-    data-loader counters). Token-budget batches give the ranks unequal samples and tokens per step (3 and
-    4, 4 and 4, 2 and 4 samples)."""
-    args = ("data.batch_size=null", "data.batch_tokens=1280", "train.max_steps=3", "data.micro_batches=2",
-            "checkpoint.save_every=2", "checkpoint.keep_last=1")
-    jobs = []
-    for s in ("zero2", "zero3"):
-        jobs += [(tmp_path / s / "a", s, args), (tmp_path / s / "b", s, (*args, "stop_after=2")),
-                 (tmp_path / s / "b", s, args)]
-    summaries = _torchrun(2, jobs, tiny_ckpt, synth_set)
+def test_deepspeed_kill_and_resume_equals_uninterrupted(two_procs):
+    """Two processes, 2 micro-batches each, ZeRO-2 and ZeRO-3 (jobs of the module's 2-process launch): a run
+    stopped after its step-2 checkpoint and resumed from it ends as the uninterrupted run (losses,
+    parameters, and each rank's data-loader counters). Token-budget batches give the ranks unequal samples
+    and tokens per step (3 and 4, 4 and 4, 2 and 4 samples)."""
+    summaries, tmp_path = two_procs["resume"], two_procs["root"] / "resume"
     for k, s in enumerate(("zero2", "zero3")):
         full, _, resumed = summaries[3 * k : 3 * k + 3]
         assert full["finished"] and resumed["finished"] and resumed["steps"] == 3, s
@@ -207,20 +244,18 @@ def test_bf16_training_keeps_float32_master_weights(tiny_ckpt, synth_set, tmp_pa
 
 
 @pytest.mark.slow
-def test_bf16_ddp_and_fsdp2_match_one_process(tiny_ckpt, synth_set, tmp_path):
+def test_bf16_ddp_and_fsdp2_match_one_process(tiny_ckpt, synth_set, tmp_path, two_procs):
     """bf16 with float32 masters under DDP and FSDP2 (the 8B recipe's strategy), two processes: the same
-    losses and updates as one process with the same global batch (one torchrun launch for both)."""
-    args = ("model.dtype=bfloat16", "train.max_steps=3")
-    ref = _plain(tiny_ckpt, synth_set, tmp_path / "plain", *args, "data.micro_batches=2")
-    runs = _torchrun(2, [(tmp_path / s, s, (*args, "data.micro_batches=1")) for s in ("ddp", "fsdp2")],
-                     tiny_ckpt, synth_set)
+    losses and updates as one process with the same global batch (jobs of the module's 2-process launch)."""
+    ref = _plain(tiny_ckpt, synth_set, tmp_path / "plain", *BF16, "data.micro_batches=2")
+    runs, root = two_procs["bf16"], two_procs["root"] / "bf16"
     init = {n: h.get_tensor(n).to(torch.bfloat16).float() for n, _, h in iter_tensors(tiny_ckpt)}
     want = _trained_weights(tmp_path / "plain/step_00000003")
     u_want = torch.cat([(want[k] - init[k]).flatten() for k in init])
     for s, run in zip(("ddp", "fsdp2"), runs):
         assert run["strategy"] == s and run["losses"] == pytest.approx(ref["losses"], rel=1e-3), s
-        got = _trained_weights(tmp_path / s / "step_00000003")
-        assert (tmp_path / s / "step_00000003/master.safetensors").is_file(), s
+        got = _trained_weights(root / s / "step_00000003")
+        assert (root / s / "step_00000003/master.safetensors").is_file(), s
         u_got = torch.cat([(got[k] - init[k]).flatten() for k in init])
         assert float((u_got - u_want).norm() / u_want.norm()) < 1e-2, s
 
