@@ -86,14 +86,32 @@ def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ck
     assert any(k.endswith("/exp_avg") and s1[k].abs().sum() > 0 for k in s1)  # step 1 did build momentum
 
 
+def _job(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str) -> list[object]:
+    """The arguments of one ``_dist_rlep.py`` job."""
+    return [out, f"model.path={tiny_ckpt}", f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2",
+            "rollout.max_new_tokens=4", f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2",
+            "log.progress=false", "train.device=cpu", *overrides]
+
+
+def _launch_jobs(jobs: list[list[object]], *, nproc: int = 2, env: dict[str, str] | None = None,
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+    """One gloo launch of ``_dist_rlep.py`` on ``nproc`` processes running ``jobs`` in turn."""
+    args: list[object] = [REPO / "tests/train/_dist_rlep.py"]
+    for i, job in enumerate(jobs):
+        args += (["--"] if i else []) + job
+    return torchrun(args, nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING", **(env or {})}, timeout=timeout,
+                    check=False)
+
+
 def _launch(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
             env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """One gloo run of ``_dist_rlep.py`` on ``nproc`` processes."""
-    return torchrun([REPO / "tests/train/_dist_rlep.py", out, f"model.path={tiny_ckpt}",
-                     f"data.manifest={data['train']}", "data.prompts_per_step=2", "rollout.G=2",
-                     "rollout.max_new_tokens=4", f"replay.pool={data['pool']}", "train.lr=1e-3", "train.steps=2",
-                     "log.progress=false", "train.device=cpu", *overrides],
-                    nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING", **(env or {})}, timeout=timeout, check=False)
+    return _launch_jobs([_job(tiny_ckpt, data, out, *overrides)], nproc=nproc, env=env, timeout=timeout)
+
+
+def _checksums(out: Path, nproc: int = 2) -> dict[int, float]:
+    """Each rank's parameter checksum of the run in ``out``."""
+    return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in range(nproc)}
 
 
 def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str, nproc: int = 2,
@@ -101,7 +119,40 @@ def _torchrun(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str
     """:func:`_launch`, which must succeed; returns each rank's parameter checksum."""
     proc = _launch(tiny_ckpt, data, out, *overrides, nproc=nproc, env=env)
     assert proc.returncode == 0, failure_report(proc)
-    return {r: float((out / f"checksum_rank{r}.txt").read_text()) for r in range(nproc)}
+    return _checksums(out, nproc)
+
+
+# The 2-process runs of three tests below are the jobs of ONE torchrun launch (each launch costs seconds of
+# imports whatever it runs; each train() call seeds its own random state and writes its own folder).
+DS = ("replay.M=1", "algorithm.dynamic_sampling=true", "algorithm.max_rounds=1",
+      "algorithm.dynamic_sampling_metric=reward")
+NO_TOKENS = ("rollout.engine=vllm", "replay.M=0", "train.weight_decay=0.1", "data.shuffle=false")
+
+
+def _text_manifest(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"id": f"t{i}", "answer": str(i), "answer_kind": "numeric",
+                                        "messages": [{"role": "user", "content": f"What is {i} plus 0?"}]}) + "\n"
+                            for i in range(4)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_ckpt, rl_set, tmp_path_factory) -> Path:  # noqa: F811
+    """``mb2`` / ``mb1``: padded empty mini-batches or not; ``text``: text-only prompts; ``no_tokens``: rank 1
+    samples only placeholder ids (``FAKE_VLLM_PLACEHOLDER_RANKS=1`` is set for the launch; only the fake vLLM
+    engine reads it, and only the last job uses that engine)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    rows = rl_set["train"].read_text().splitlines(keepends=True)
+    both = rl_set["train"].parent / "scale_both.jsonl"  # media paths in the rows are relative to that folder
+    both.write_text("".join(rows[:4]))
+    jobs = [_job(tiny_ckpt, rl_set, root / "mb2", "algorithm.mini_batches=2", *DS),
+            _job(tiny_ckpt, rl_set, root / "mb1", "algorithm.mini_batches=1", *DS),
+            _job(tiny_ckpt, rl_set, root / "text", f"data.manifest={_text_manifest(root / 'text.jsonl')}",
+                 "replay.M=0", "train.weight_decay=0.1", "train.stage=full"),
+            _job(tiny_ckpt, rl_set, root / "no_tokens", *NO_TOKENS, f"data.manifest={both}")]
+    proc = _launch_jobs(jobs, env={"FAKE_VLLM_PLACEHOLDER_RANKS": "1"})
+    assert proc.returncode == 0, failure_report(proc)
+    return root
 
 
 def _step_rows(out: Path) -> list[dict[str, float]]:
@@ -109,28 +160,26 @@ def _step_rows(out: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_two_processes_padded_empty_mini_batches_do_not_step(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_two_processes_padded_empty_mini_batches_do_not_step(tiny_ckpt, two_ranks):
     """2 ranks with one group each: ``mini_batches=2`` leaves the second mini-batch empty on both ranks.
     Skipping it makes the run equal to ``mini_batches=1`` (the same single update per step); stepping
     AdamW on the all-reduced zero gradients moved the weights by momentum alone. With one round of
     dynamic sampling each rank generates exactly its one group per step, so the logged counts must be
     the all-rank ones (2 groups per step), not rank 0's."""
-    ds = ("replay.M=1", "algorithm.dynamic_sampling=true", "algorithm.max_rounds=1",
-          "algorithm.dynamic_sampling_metric=reward")
-    two = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb2", "algorithm.mini_batches=2", *ds)
-    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "mb1", "algorithm.mini_batches=1", *ds)
+    two, one = _checksums(two_ranks / "mb2"), _checksums(two_ranks / "mb1")  # the jobs of the module's launch
     with torch.no_grad():
         start = float(sum(p.double().sum() for p in KeyeVL.from_pretrained(tiny_ckpt).parameters()))
     assert two[0] == two[1] and one[0] == one[1] and two[0] != start
     assert two[0] == one[0]
-    rows = _step_rows(tmp_path / "mb2")
+    rows = _step_rows(two_ranks / "mb2")
     assert [r["dynsample/generated"] for r in rows] == [2.0, 2.0]
     for r in rows:
         assert r["dynsample/kept_frac"] == (r["dynsample/generated"] - r["dynsample/dropped"]) / 2.0
 
 
 @pytest.mark.slow
-def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ckpt, rl_set, tmp_path,  # noqa: F811
+                                                                         two_ranks):
     """Rank 1 samples only placeholder ids (no loss token), rank 0 ordinary text. The skip decision is taken
     on the all-rank token count, so both ranks step (no deadlock, no divergence); the update is rank 0's
     alone, so the run equals one process fed rank 0's prompts (same step seeds and engine seeds for rank 0),
@@ -138,18 +187,15 @@ def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ck
     fractions."""
     rows = rl_set["train"].read_text().splitlines(keepends=True)
     root = rl_set["train"].parent  # media paths in the rows are relative to the manifest's folder
-    both, alone = root / "scale_both.jsonl", root / "scale_rank0.jsonl"
-    both.write_text("".join(rows[:4]))
-    alone.write_text(rows[0] + rows[2])  # without shuffling rank 0 of 2 reads prompts 0, 2, ...
-    common = ("rollout.engine=vllm", "replay.M=0", "train.weight_decay=0.1", "data.shuffle=false")
-    two = _torchrun(tiny_ckpt, rl_set, tmp_path / "two", *common, f"data.manifest={both}",
-                    env={"FAKE_VLLM_PLACEHOLDER_RANKS": "1"})
-    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "one", *common, f"data.manifest={alone}",
+    alone = root / "scale_rank0.jsonl"
+    alone.write_text(rows[0] + rows[2])  # without shuffling rank 0 of 2 reads prompts 0, 2, ... of rows[:4]
+    two = _checksums(two_ranks / "no_tokens")  # 2 processes on rows[:4], rank 1 placeholder-only
+    one = _torchrun(tiny_ckpt, rl_set, tmp_path / "one", *NO_TOKENS, f"data.manifest={alone}",
                     "data.prompts_per_step=1", nproc=1)
     with torch.no_grad():
         start = float(sum(p.double().sum() for p in KeyeVL.from_pretrained(tiny_ckpt).parameters()))
     assert two[0] == two[1] == one[0] != start
-    r2, r1 = _step_rows(tmp_path / "two"), _step_rows(tmp_path / "one")
+    r2, r1 = _step_rows(two_ranks / "no_tokens"), _step_rows(tmp_path / "one")
     assert len(r2) == len(r1) == 2 and all(r["entropy"] > 0 for r in r1)
     for a, b in zip(r2, r1):
         for key in ("loss", "entropy", "clip_frac", "approx_kl", "ratio_mean"):
@@ -165,17 +211,12 @@ def test_logged_learning_rate_is_the_one_each_step_used(tiny_ckpt, rl_set, tmp_p
 
 
 @pytest.mark.slow
-def test_two_processes_leave_parameters_without_gradient_alone(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_two_processes_leave_parameters_without_gradient_alone(tiny_ckpt, two_ranks):
     """Text-only prompts never reach the vision tower or the projector, so no rank has a gradient for
     them: as in one process (AdamW skips a parameter whose gradient is None) their weights must stay put.
     Zero-filling the missing gradients before the all-reduce let weight decay shrink them every step."""
-    manifest = tmp_path / "text.jsonl"
-    manifest.write_text("".join(json.dumps({"id": f"t{i}", "answer": str(i), "answer_kind": "numeric",
-                                            "messages": [{"role": "user", "content": f"What is {i} plus 0?"}]}) + "\n"
-                                for i in range(4)))
-    out = tmp_path / "text"
-    sums = _torchrun(tiny_ckpt, rl_set, out, f"data.manifest={manifest}", "replay.M=0", "train.weight_decay=0.1",
-                     "train.stage=full")
+    out = two_ranks / "text"  # a job of the module's 2-process launch
+    sums = _checksums(out)
     assert sums[0] == sums[1]
     start = KeyeVL.from_pretrained(tiny_ckpt).state_dict()
     final = KeyeVL.from_pretrained(out / "final").state_dict()
