@@ -12,6 +12,7 @@ from keye import KeyeProcessor, KeyeVL
 from keye.errors import KeyeConfigError
 from keye.train.config import dump_config, load_config
 from keye.train.sft import SFTConfig, lr_lambda, train
+from tests.conftest import TORCH_THREADS
 from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,30 +132,57 @@ def test_lora_run_exports_merged_official_layout(tiny_ckpt, synth_set, tmp_path)
                        merged["visual.vision_model.encoder.layers.0.mlp.fc1.weight"])
 
 
-def _torchrun(out, strategy, tiny_ckpt, synth_set, *extra, nproc=2):
-    torchrun([REPO / "tests/train/_dist_sft.py", out, strategy,
-              f"model.path={tiny_ckpt}", f"data.manifest={synth_set['train']}", "data.batch_tokens=1536",
-              "train.lr=3e-3", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
-              "train.device=cpu", *extra], nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=600)
-    return json.loads((Path(out) / "summary.json").read_text())
+def _job(out, strategy, tiny_ckpt, synth_set, *extra) -> list[object]:
+    """One job of ``_dist_sft.py``: the run :func:`_cfg` describes, under ``strategy``."""
+    return [out, strategy, f"model.path={tiny_ckpt}", f"data.manifest={synth_set['train']}", "data.batch_tokens=1536",
+            "train.lr=3e-3", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
+            "train.device=cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def two_procs(tiny_ckpt, synth_set, tmp_path_factory) -> Path:
+    """The module's 2-process runs (DDP, FSDP2, then DeepSpeed ZeRO-2) as the jobs of ONE torchrun launch of
+    ``_dist_sft.py``: a launch costs seconds of imports whatever it runs; every job writes its own folder and
+    train() seeds each run's random state."""
+    root = tmp_path_factory.mktemp("two_procs")
+    jobs = [_job(root / s, s, tiny_ckpt, synth_set, "train.max_steps=4", "data.micro_batches=1")
+            for s in ("ddp", "fsdp2")]
+    jobs.append(_job(root / "ds", "zero2", tiny_ckpt, synth_set, "train.max_steps=3",
+                     f"train.deepspeed_config={REPO / 'training/deepspeed/zero2.json'}"))
+    args: list[object] = [REPO / "tests/train/_dist_sft.py"]
+    for i, job in enumerate(jobs):
+        args += (["--"] if i else []) + job
+    torchrun(args, nproc=2, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900)
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_proc(tiny_ckpt, synth_set, tmp_path_factory) -> tuple[dict, Path]:
+    """The one-process run both 2-process layouts are compared with (the same global batch)."""
+    out = tmp_path_factory.mktemp("one_proc") / "one"
+    torch.set_num_threads(TORCH_THREADS)  # as inside a test (a module fixture runs before the per-test setting)
+    return train(_cfg(tiny_ckpt, synth_set, out, "train.max_steps=4", "data.micro_batches=2")), out
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_process_run_matches_one_process(strategy, tiny_ckpt, synth_set, tmp_path):
-    one = train(_cfg(tiny_ckpt, synth_set, tmp_path / "one", "train.max_steps=4", "data.micro_batches=2"))
-    two = _torchrun(tmp_path / strategy, strategy, tiny_ckpt, synth_set, "train.max_steps=4", "data.micro_batches=1")
+def test_two_process_run_matches_one_process(strategy, one_proc, two_procs):
+    one, one_dir = one_proc
+    two = _summary(two_procs / strategy)
     assert two["world_size"] == 2 and two["strategy"] == strategy
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-5)
     # The logged gradient norm is the global one (FSDP2: over all shards), as the single process sees it.
-    norms = [[json.loads(x)["grad_norm"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-             for d in ("one", strategy)]
+    norms = [[json.loads(x)["grad_norm"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+             for d in (one_dir, two_procs / strategy)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-4)
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_runs_on_cpu(tiny_ckpt, synth_set, tmp_path):
-    two = _torchrun(tmp_path / "ds", "zero2", tiny_ckpt, synth_set, "train.max_steps=3",
-                    f"train.deepspeed_config={REPO / 'training/deepspeed/zero2.json'}")
+def test_deepspeed_zero2_runs_on_cpu(two_procs):
+    two = _summary(two_procs / "ds")
     assert two["steps"] == 3 and two["strategy"] == "zero2"
     assert all(x == x and x < 20 for x in two["losses"])
