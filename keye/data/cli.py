@@ -21,6 +21,7 @@ from typing import Any
 
 def add_commands(subparsers: Any) -> None:
     """Add ``keye data {check,synth,clip-filter,autothink}`` to the top-level ``keye`` parser."""
+    from keye.data.synth import EXTRA_VIDEO_TYPES  # numpy only; names the opt-in types in --help
     data = subparsers.add_parser(
         "data", help="training data: check manifests, synthetic set, CLIP filter, AutoThink mode labels")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -51,7 +52,7 @@ def add_commands(subparsers: Any) -> None:
                         "only) or mixed (each sample 50/50)")
     p.add_argument("--extra-type", action="append", default=[], metavar="TYPE=WEIGHT",
                    help="also draw an opt-in video question type with this weight (the defaults weigh 0.7-1), "
-                        "e.g. when_gap=3; repeatable")
+                        "e.g. when_gap=3; repeatable (opt-in types: " + ", ".join(sorted(EXTRA_VIDEO_TYPES)) + ")")
     p.add_argument("--places", action="store_true",
                    help="the captions also say where each object is (its 3 x 3 grid cell: top left ... bottom right)")
     p.add_argument("--detail-cut", action="store_true",
