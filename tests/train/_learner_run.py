@@ -6,7 +6,8 @@ ranks run different numbers of micro-batches), and runs ``steps`` x (old log-pro
 advantages, update). The weights are exported shard by shard at the end; rank 0 writes them, the update
 statistics and the shard sizes to ``out_dir/<name>.*``.
 
-Command line (torchrun): OUT_DIR CKPT MANIFEST POOL NAME=key=value,key=value [NAME=...]
+Command line (torchrun): OUT_DIR CKPT MANIFEST POOL NAME=key=value,key=value [NAME=...]; test_rl_sharded.py runs
+it as ``learner`` jobs of ``_dist_rlep.py`` instead (one launch with the loop runs).
 """
 
 from __future__ import annotations

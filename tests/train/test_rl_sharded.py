@@ -20,28 +20,62 @@ from tests.train.test_rlep import rl_set  # noqa: F401 - fixture used by name
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(script: str, *args: str) -> None:
-    # One rerun after a rank dies of a signal: CI once saw rank 1 of this launch (four layouts, ZeRO-3
+def _torchrun(script: str, *args: object) -> None:
+    # One rerun after a rank dies of a signal: CI once saw rank 1 of the learner launch (four layouts, ZeRO-3
     # included) abort with SIGABRT and no Python error, which 25 launches here (beside two other jobs) did
-    # not reproduce. The rerun overwrites every output, and the crash is still reported (a RankCrashWarning
-    # carrying the rank's stack).
+    # not reproduce. The rerun overwrites every output (a job stopped early starts from an empty folder), and
+    # the crash is still reported (a RankCrashWarning carrying the rank's stack).
     torchrun([REPO / "tests/train" / script, *args], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900,
              reruns_after_signal=1)
 
 
+def _loop_args(tiny_ckpt, rl_set, *extra):  # noqa: F811
+    return [f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=2", "rollout.G=2",
+            "rollout.max_new_tokens=4", f"replay.pool={rl_set['pool']}", "replay.M=1", "train.lr=1e-3",
+            "train.steps=3", "log.progress=false", "train.device=cpu", "algorithm.mini_batches=2",
+            "algorithm.micro_batch_size=1", "algorithm.reference=true", "algorithm.kl_coef=0.05",
+            "checkpoint.save_every=1", "checkpoint.keep_last=5", *extra]
+
+
 @pytest.fixture(scope="module")
-def learner_runs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+def two_procs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+    """Every 2-process run of this module as the jobs of ONE torchrun launch of ``_dist_rlep.py`` (a launch
+    costs seconds of imports, DeepSpeed's included, whatever it runs), in the same process group one after the
+    other, everything DeepSpeed after the rest:
+
+    - ``two/<layout>``: the fixed learner batch (``_learner_run.py``) in four 2-process layouts;
+    - ``loops/<strategy>``: the whole ``keye train rlep`` loop under DDP, FSDP2 and ZeRO-3 (each train() call
+      seeds its own random state), and ``loops/part``: an FSDP2 run stopped after step 2, the simulated crash
+      test_fsdp2_kill_and_resume_equals_uninterrupted resumes in a fresh launch."""
+    two, loops = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("loops")
+
+    def learner(name: str, *overrides: str) -> list[object]:
+        return ["learner", two, tiny_ckpt, rl_set["train"], rl_set["pool"], name, *overrides]
+
+    def loop(name: str, *extra: str) -> list[object]:
+        return [loops / name, *_loop_args(tiny_ckpt, rl_set, *extra)]
+
+    jobs = [loop("ddp", "train.strategy=ddp"), loop("fsdp2", "train.strategy=fsdp2"),
+            loop("part", "train.strategy=fsdp2", "stop_after=2"),
+            learner("fsdp2_tree", "train.strategy=fsdp2", "tree.enabled=true"),
+            learner("fsdp2_pad", "train.strategy=fsdp2", "tree.enabled=false", "algorithm.reference_placement=cpu"),
+            learner("zero3_tree", "train.strategy=zero3", "tree.enabled=true"),
+            learner("zero3_pad", "train.strategy=zero3", "tree.enabled=false"),
+            loop("zero3", "train.strategy=zero3")]
+    args: list[object] = []
+    for i, job in enumerate(jobs):
+        args += (["--"] if i else []) + job
+    _torchrun("_dist_rlep.py", *args)
+    return two, loops
+
+
+@pytest.fixture(scope="module")
+def learner_runs(tiny_ckpt, rl_set, tmp_path_factory, two_procs):  # noqa: F811
     """One process (tree on / off) and four 2-process layouts of the same fixed batch."""
     one = tmp_path_factory.mktemp("one")
-    two = tmp_path_factory.mktemp("two")
     for name, tree in (("tree", "true"), ("pad", "false")):
         _learner_run.run(one, tiny_ckpt, rl_set["train"], rl_set["pool"], name, [f"tree.enabled={tree}"])
-    _torchrun("_learner_run.py", two, tiny_ckpt, rl_set["train"], rl_set["pool"],
-              "fsdp2_tree=train.strategy=fsdp2,tree.enabled=true",
-              "fsdp2_pad=train.strategy=fsdp2,tree.enabled=false,algorithm.reference_placement=cpu",
-              "zero3_tree=train.strategy=zero3,tree.enabled=true",
-              "zero3_pad=train.strategy=zero3,tree.enabled=false")
-    return one, two
+    return one, two_procs[0]
 
 
 @pytest.mark.slow
@@ -84,27 +118,10 @@ def test_weights_leave_shard_by_shard_and_reassemble_exactly(learner_runs, layou
 
 
 # ------------------------------------------------------------------------------------- full loop
-def _loop_args(tiny_ckpt, rl_set, *extra):  # noqa: F811
-    return [f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=2", "rollout.G=2",
-            "rollout.max_new_tokens=4", f"replay.pool={rl_set['pool']}", "replay.M=1", "train.lr=1e-3",
-            "train.steps=3", "log.progress=false", "train.device=cpu", "algorithm.mini_batches=2",
-            "algorithm.micro_batch_size=1", "algorithm.reference=true", "algorithm.kl_coef=0.05",
-            "checkpoint.save_every=1", "checkpoint.keep_last=5", *extra]
-
-
 @pytest.fixture(scope="module")
-def loop_runs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
-    """The loop under DDP, FSDP2 and ZeRO-3, and an FSDP2 run stopped after step 2 (``part``, the simulated
-    crash that test_fsdp2_kill_and_resume_equals_uninterrupted resumes in a fresh launch), as the jobs of ONE
-    torchrun launch (each train() call seeds its own random state; ZeRO-3 runs last): one launch, not four."""
-    root = tmp_path_factory.mktemp("loops")
-    jobs = [(root / "ddp", "train.strategy=ddp"), (root / "fsdp2", "train.strategy=fsdp2"),
-            (root / "part", "train.strategy=fsdp2", "stop_after=2"), (root / "zero3", "train.strategy=zero3")]
-    args: list[object] = []
-    for i, (out, *extra) in enumerate(jobs):
-        args += (["--"] if i else []) + [out, *_loop_args(tiny_ckpt, rl_set, *extra)]
-    _torchrun("_dist_rlep.py", *args)
-    return root
+def loop_runs(two_procs):
+    """The loop runs of the module's launch (``ddp``, ``fsdp2``, ``zero3``, and ``part``)."""
+    return two_procs[1]
 
 
 def _summary(folder: Path) -> dict:
