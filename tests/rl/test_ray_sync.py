@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,8 +89,18 @@ def ray_cluster():
 def reference(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
     """The in-process run every Ray run is compared with."""
     out = tmp_path_factory.mktemp("ref") / "run"
+    torch.set_num_threads(TORCH_THREADS)  # as inside a test (a module fixture runs before the per-test setting)
     summary = train(_cfg(tiny_ckpt, rl_set, out, *ARGS, f"eval.manifest={rl_set['test']}"))
     return summary, out
+
+
+@pytest.fixture(scope="module")
+def one_actor_run(ray_cluster, tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+    """``reference``'s run on Ray with one learner actor; its step-1 checkpoint also serves
+    test_ray_run_resumes_exactly (one Ray run fewer)."""
+    run = tmp_path_factory.mktemp("ray1") / "ray"
+    torch.set_num_threads(TORCH_THREADS)
+    return train(_cfg(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY)), run
 
 
 # ------------------------------------------------------------------------------------------ fast
@@ -230,10 +241,9 @@ def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):  # 
 
 # ------------------------------------------------------------------------------------------ Ray runs
 @pytest.mark.slow
-def test_one_learner_actor_equals_one_process(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_one_learner_actor_equals_one_process(ray_cluster, reference, one_actor_run, tiny_ckpt):  # noqa: F811
     ref, ref_dir = reference
-    run = tmp_path / "ray"
-    got = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY))
+    got, run = one_actor_run
     assert got["finished"] and got["steps"] == 2 and got["strategy"] == "none"
     # exactly: the same samples, log-probs, updates, metrics, evaluations and final weights
     assert got["losses"] == ref["losses"] and got["rewards"] == ref["rewards"]
@@ -307,16 +317,19 @@ def test_killed_rollout_worker_is_restarted_and_changes_nothing(ray_cluster, ref
 
 
 @pytest.mark.slow
-def test_ray_run_resumes_exactly(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
-    """Stopped after step 1 (checkpoint written by the learner actor with the driver's run state), a new
-    Ray run resumes from it and ends where the uninterrupted in-process run ends."""
+def test_ray_run_resumes_exactly(ray_cluster, reference, one_actor_run, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+    """A Ray run that crashed after step 1: the step-1 checkpoint of ``one_actor_run`` (written by the learner
+    actor with the driver's run state), alone in a new folder. A new Ray run resumes from it and ends where
+    the uninterrupted in-process run ends."""
     ref, ref_dir = reference
     run = tmp_path / "resume"
-    part = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY), stop_after=1)
-    assert not part["finished"] and part["steps"] == 1
+    shutil.copytree(one_actor_run[1] / "step_00000001", run / "step_00000001")
+    assert (run / "step_00000001" / "DONE").is_file() and list(run.iterdir()) == [run / "step_00000001"]
     gc.collect()
-    resumed = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY))
-    assert resumed["finished"] and resumed["losses"] == ref["losses"] and resumed["rewards"] == ref["rewards"]
+    resumed = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY))
+    assert resumed["finished"] and resumed["steps"] == 2
+    assert resumed["losses"] == ref["losses"] and resumed["rewards"] == ref["rewards"]
+    assert resumed["eval_curve"] == ref["eval_curve"]
     a, b = _weights(ref_dir / "final"), _weights(run / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
     _assert_released(ray_cluster)
