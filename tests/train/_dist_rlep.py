@@ -17,20 +17,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from _dist_sft import _jobs  # this script's folder is on sys.path; the same '--' job split
+
 from keye.train import dist as kdist
 from keye.train.config import load_config
 from keye.train.rlep import RLEPConfig, train
-
-
-def _jobs(argv: list[str]) -> list[list[str]]:
-    jobs: list[list[str]] = [[]]
-    for arg in argv:
-        if arg == "--":
-            jobs.append([])
-        else:
-            jobs[-1].append(arg)
-    return [j for j in jobs if j]
-
 
 if __name__ == "__main__":
     jobs = _jobs(sys.argv[1:])
