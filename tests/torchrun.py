@@ -24,6 +24,15 @@ _CRASH_LINE = re.compile(r"terminate called|what\(\):|Fatal Python error|Aborted
                          r"double free|corrupted|Error|error:|exitcode|Signal \d+", re.I)
 
 
+def job_args(script: object, jobs: Sequence[Sequence[object]]) -> list[object]:
+    """``script JOB1 -- JOB2 -- ...``: the arguments of one launch of a script that runs ``--``-separated jobs in
+    turn (``tests/train/_dist_sft.py``, ``_dist_rlep.py``), so one launch's imports serve several runs."""
+    args: list[object] = [script]
+    for i, job in enumerate(jobs):
+        args += (["--"] if i else []) + list(job)
+    return args
+
+
 def failure_report(proc: subprocess.CompletedProcess, limit: int = 16000) -> str:
     """A readable account of a failed torchrun: the crash lines, what the ranks printed, the launcher summary.
 

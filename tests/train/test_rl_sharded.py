@@ -13,19 +13,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torchrun import torchrun
+from tests.torchrun import job_args, torchrun
 from tests.train import _learner_run
 from tests.train.test_rlep import rl_set  # noqa: F401 - fixture used by name
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(script: str, *args: object) -> None:
+def _torchrun(*jobs: list[object]) -> None:
+    """One launch of ``_dist_rlep.py`` running ``jobs`` in turn."""
     # One rerun after a rank dies of a signal: CI once saw rank 1 of the learner launch (four layouts, ZeRO-3
     # included) abort with SIGABRT and no Python error, which 25 launches here (beside two other jobs) did
     # not reproduce. The rerun overwrites every output (a job stopped early starts from an empty folder), and
     # the crash is still reported (a RankCrashWarning carrying the rank's stack).
-    torchrun([REPO / "tests/train" / script, *args], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900,
+    torchrun(job_args(REPO / "tests/train/_dist_rlep.py", jobs), env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900,
              reruns_after_signal=1)
 
 
@@ -62,10 +63,7 @@ def two_procs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
             learner("zero3_tree", "train.strategy=zero3", "tree.enabled=true"),
             learner("zero3_pad", "train.strategy=zero3", "tree.enabled=false"),
             loop("zero3", "train.strategy=zero3")]
-    args: list[object] = []
-    for i, job in enumerate(jobs):
-        args += (["--"] if i else []) + job
-    _torchrun("_dist_rlep.py", *args)
+    _torchrun(*jobs)
     return two, loops
 
 
@@ -150,7 +148,7 @@ def test_fsdp2_kill_and_resume_equals_uninterrupted(loop_runs, tiny_ckpt, rl_set
     out = loop_runs / "part"  # stopped after step 2 by the fixture's launch; resumed here in a fresh one
     assert not (out / "summary.json").exists() or not _summary(out)["finished"]
     assert (out / "step_00000002" / "DONE").is_file() and not (out / "step_00000003").exists()
-    _torchrun("_dist_rlep.py", out, *_loop_args(tiny_ckpt, rl_set, "train.strategy=fsdp2"))
+    _torchrun([out, *_loop_args(tiny_ckpt, rl_set, "train.strategy=fsdp2")])
     full, resumed = _summary(loop_runs / "fsdp2"), _summary(out)
     assert resumed["finished"] and resumed["steps"] == 3
     assert resumed["rewards"] == full["rewards"] and resumed["losses"] == full["losses"]

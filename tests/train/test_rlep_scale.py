@@ -18,7 +18,7 @@ import torch
 
 from keye import KeyeVL
 from keye.train.rlep import train
-from tests.torchrun import failure_report, torchrun
+from tests.torchrun import failure_report, job_args, torchrun
 from tests.train import _fake_vllm
 from tests.train._fake_vllm import fingerprint
 from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - rl_set is a fixture used by name
@@ -96,10 +96,7 @@ def _job(tiny_ckpt: Path, data: dict[str, Path], out: Path, *overrides: str) -> 
 def _launch_jobs(jobs: list[list[object]], *, nproc: int = 2, env: dict[str, str] | None = None,
                  timeout: float = 600) -> subprocess.CompletedProcess:
     """One gloo launch of ``_dist_rlep.py`` on ``nproc`` processes running ``jobs`` in turn."""
-    args: list[object] = [REPO / "tests/train/_dist_rlep.py"]
-    for i, job in enumerate(jobs):
-        args += (["--"] if i else []) + job
-    return torchrun(args, nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING", **(env or {})}, timeout=timeout,
+    return torchrun(job_args(REPO / "tests/train/_dist_rlep.py", jobs), nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING", **(env or {})}, timeout=timeout,
                     check=False)
 
 

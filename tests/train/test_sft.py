@@ -13,7 +13,7 @@ from keye.errors import KeyeConfigError
 from keye.train.config import dump_config, load_config
 from keye.train.sft import SFTConfig, lr_lambda, train
 from tests.conftest import TORCH_THREADS
-from tests.torchrun import torchrun
+from tests.torchrun import job_args, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -149,10 +149,7 @@ def two_procs(tiny_ckpt, synth_set, tmp_path_factory) -> Path:
             for s in ("ddp", "fsdp2")]
     jobs.append(_job(root / "ds", "zero2", tiny_ckpt, synth_set, "train.max_steps=3",
                      f"train.deepspeed_config={REPO / 'training/deepspeed/zero2.json'}"))
-    args: list[object] = [REPO / "tests/train/_dist_sft.py"]
-    for i, job in enumerate(jobs):
-        args += (["--"] if i else []) + job
-    torchrun(args, nproc=2, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900)
+    torchrun(job_args(REPO / "tests/train/_dist_sft.py", jobs), nproc=2, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900)
     return root
 
 

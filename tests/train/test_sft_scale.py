@@ -19,7 +19,7 @@ from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_tiny_processor_dir
 from keye.train.config import load_config
 from keye.train.sft import SFTConfig, train
-from tests.torchrun import torchrun
+from tests.torchrun import job_args, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 # One sample per micro-batch keeps every run small and makes the global batch of a step exactly
@@ -40,10 +40,9 @@ def _plain(tiny_ckpt, synth_set, out, *extra) -> dict:
 
 def _torchrun(nproc: int, jobs: list[tuple[Path, str, tuple[str, ...]]], tiny_ckpt, synth_set) -> list[dict]:
     """Run several SFT jobs in ONE torchrun launch (tests/train/_dist_sft.py); returns their summaries."""
-    args: list[object] = [REPO / "tests/train/_dist_sft.py"]
-    for i, (out, strategy, extra) in enumerate(jobs):
-        job = [str(out), strategy, *_overrides(tiny_ckpt, synth_set, "train.device=cpu", *extra)]
-        args += (["--"] if i else []) + job
+    args = job_args(REPO / "tests/train/_dist_sft.py",
+                    [[str(out), strategy, *_overrides(tiny_ckpt, synth_set, "train.device=cpu", *extra)]
+                     for out, strategy, extra in jobs])
     torchrun(args, nproc=nproc, env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=900)
     return [json.loads((out / "summary.json").read_text()) for out, _, _ in jobs]
 
