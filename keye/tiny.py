@@ -11,30 +11,10 @@ command that rebuilt it.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+# Name resolution lives in keye.hub (a bottom-layer module); re-exported so ``from keye.tiny import ...`` works.
+from keye.hub import TINY_DIR, TINY_NAME, resolve_model_path, tiny_dir
 
-from keye.errors import KeyeConfigError
-
-TINY_NAME = "keye-tiny"
-TINY_DIR = Path(__file__).resolve().parent / "assets" / TINY_NAME
-
-
-def tiny_dir() -> Path:
-    """Directory of the embedded keye-tiny checkpoint (model + processor files)."""
-    if not (TINY_DIR / "config.json").is_file():
-        raise KeyeConfigError(
-            f"{TINY_DIR}: the embedded keye-tiny checkpoint is missing from this install; rebuild it with "
-            "python training/build_tiny.py --install"
-        )
-    return TINY_DIR
-
-
-def resolve_model_path(name: str | os.PathLike[str]) -> str:
-    """Where a ``--model`` / ``model.path`` value points: ``"keye-tiny"`` -> the embedded checkpoint's
-    directory (:func:`tiny_dir`, which raises :class:`KeyeConfigError` when it is not installed); anything
-    else (a local directory or a hub id ``owner/name``) is returned unchanged, as a string."""
-    return str(tiny_dir()) if str(name) == TINY_NAME else str(name)
+__all__ = ["TINY_DIR", "TINY_NAME", "load_tiny", "resolve_model_path", "tiny_dir"]
 
 
 def load_tiny(device: str = "cpu"):

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeConfigError, KeyeError
-from keye.tiny import TINY_NAME as TINY
-from keye.tiny import resolve_model_path
+from keye.hub import TINY_NAME as TINY
+from keye.hub import resolve_model_path
 
 
 def resolve_model(name: str | None) -> str:

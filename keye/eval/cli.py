@@ -266,8 +266,8 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     name = getattr(args, "tokenizer", None)
     if not name:
         return None
+    from keye.hub import resolve_model_path
     from keye.processing.processor import KeyeProcessor
-    from keye.tiny import resolve_model_path
 
     return KeyeProcessor.from_pretrained(resolve_model_path(name)).tokenizer
 

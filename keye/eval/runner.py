@@ -415,7 +415,7 @@ def load_engine(
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
         raise KeyeInputError(f"unknown dtype {dtype!r}; expected bfloat16, float16 or float32")
-    from keye.tiny import resolve_model_path
+    from keye.hub import resolve_model_path
 
     model_id = resolve_model_path(model_id)
     try:

@@ -13,7 +13,7 @@ from keye.errors import KeyeInputError
 
 def _default_dir() -> str | None:
     try:
-        from keye.tiny import tiny_dir
+        from keye.hub import tiny_dir
 
         return str(tiny_dir())
     except Exception:  # the embedded checkpoint is optional; the user then has to name a directory
