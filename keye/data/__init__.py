@@ -5,20 +5,52 @@ Public pieces: :func:`read_manifest` / :func:`check_manifest` (manifest.py), :fu
 :class:`ProbeCache` (probe.py), :class:`CostModel` / :class:`SampleCost` (cost.py), :func:`balance`
 (balance.py), :func:`pack_ffd` / :func:`length_buckets` (packing.py), :class:`BalancedSampler`
 (sampler.py), :func:`build_dataloader` / :class:`KeyeDataLoader` (loader.py), :func:`generate` (synth.py).
-CLIP filtering lives in :mod:`keye.data.clip_filter` (imports open_clip on use).
+CLIP filtering lives in :mod:`keye.data.clip_filter` (imports open_clip on use), the synthetic set's answer
+check in :mod:`keye.data.synth_answers` and the resumable append-only JSONL of records in
+:mod:`keye.data.records`.
 """
 
 from __future__ import annotations
 
-from keye.data.balance import balance, imbalance, lpt
-from keye.data.collate import collate_packed, collate_padded
-from keye.data.cost import CostModel, ModelDims, SampleCost, llm_flops, vision_flops
-from keye.data.loader import KeyeDataLoader, build_dataloader
-from keye.data.manifest import BadRow, CheckReport, Manifest, MediaRef, Sample, check_manifest, read_manifest
-from keye.data.packing import length_buckets, pack_ffd, split_into_bins
-from keye.data.probe import MediaInfo, ProbeCache, probe_file, probe_media
-from keye.data.sampler import BalancedSampler, EpochPlan, StepPlan
-from keye.data.synth import generate, generate_split
+import importlib
+from typing import Any
+
+# Imported on first use: the loader and the probes pull in torch and the processor, and the evaluation
+# package imports only light modules from here (manifest, synth_answers, records).
+_LAZY = {
+    "BadRow": "keye.data.manifest",
+    "BalancedSampler": "keye.data.sampler",
+    "CheckReport": "keye.data.manifest",
+    "CostModel": "keye.data.cost",
+    "EpochPlan": "keye.data.sampler",
+    "KeyeDataLoader": "keye.data.loader",
+    "Manifest": "keye.data.manifest",
+    "MediaInfo": "keye.data.probe",
+    "MediaRef": "keye.data.manifest",
+    "ModelDims": "keye.data.cost",
+    "ProbeCache": "keye.data.probe",
+    "Sample": "keye.data.manifest",
+    "SampleCost": "keye.data.cost",
+    "StepPlan": "keye.data.sampler",
+    "balance": "keye.data.balance",
+    "build_dataloader": "keye.data.loader",
+    "check_manifest": "keye.data.manifest",
+    "collate_packed": "keye.data.collate",
+    "collate_padded": "keye.data.collate",
+    "generate": "keye.data.synth",
+    "generate_split": "keye.data.synth",
+    "imbalance": "keye.data.balance",
+    "length_buckets": "keye.data.packing",
+    "llm_flops": "keye.data.cost",
+    "lpt": "keye.data.balance",
+    "pack_ffd": "keye.data.packing",
+    "probe_file": "keye.data.probe",
+    "probe_media": "keye.data.probe",
+    "read_manifest": "keye.data.manifest",
+    "split_into_bins": "keye.data.packing",
+    "vision_flops": "keye.data.cost",
+}
+
 
 __all__ = [
     "BadRow",
@@ -53,3 +85,10 @@ __all__ = [
     "split_into_bins",
     "vision_flops",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keye.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -8,7 +8,7 @@ of questions with references (e.g. ``keye data synth``'s ``train.jsonl``):
 1. **solver**: the question with ``/no_think`` appended (Keye's switch, also Qwen3's): a direct answer.
 2. **thinker**: the question with ``/think``: a reasoning trace and an answer.
 3. **critic**: a *rule check* scores both answers against the reference with the synthetic set's scorer
-   (:func:`keye.eval.synth.extract` + :func:`keye.eval.synth.is_correct`: deterministic, no model), and, unless
+   (:func:`keye.data.synth_answers.extract` + :func:`keye.data.synth_answers.is_correct`: deterministic, no model), and, unless
    switched off, an *LLM critic* call on the critic endpoint judges both too and writes the row's analysis
    sentence. Its verdict is always recorded; which one decides is ``decide_by``:
 
@@ -42,7 +42,7 @@ Output folder (``out``):
 Resume: the two output files are append-only JSONL, one line written (and fsynced) as each question
 completes; a rerun skips every id already in ``autothink.jsonl`` or ``dropped.jsonl`` and sends none of its
 requests again. A last line cut short by a crash is detected and removed
-(:class:`keye.eval.runner.PredictionStore`).
+(:class:`keye.data.records.PredictionStore`).
 
 Robustness: every HTTP attempt passes one client-side rate limiter shared by all worker threads (``rps``:
 request starts per second, 0 = unlimited); connection errors, timeouts, HTTP 408 / 409 / 429 and 5xx are
@@ -439,7 +439,7 @@ def to_openai_messages(messages: list[dict[str, Any]], media: str = "data",
 def with_suffix(messages: list[dict[str, Any]], suffix: str) -> list[dict[str, Any]]:
     """Return ``messages`` with any ``/think`` / ``/no_think`` switch removed from the last user text and
     ``suffix`` appended there (:func:`keye.processing.chat.apply_mode` for the two switches)."""
-    from keye.processing.chat import apply_mode
+    from keye.processing.chat import apply_mode, edit_last_user_text
 
     plain = apply_mode(messages, "auto")
     if not suffix:
@@ -448,20 +448,7 @@ def with_suffix(messages: list[dict[str, Any]], suffix: str) -> list[dict[str, A
     if mode is not None:
         return apply_mode(plain, mode)
     # Any other suffix (a different model family's switch) is appended the same way as text.
-    out = [dict(m) for m in plain]
-    last = max(i for i, m in enumerate(out) if m["role"] == "user")
-    content = out[last]["content"]
-    if isinstance(content, str):
-        out[last]["content"] = content + suffix
-    else:
-        items = [dict(c) for c in content]
-        texts = [j for j, c in enumerate(items) if c.get("type") == "text"]
-        if texts:
-            items[texts[-1]]["text"] += suffix
-        else:
-            items.append({"type": "text", "text": suffix})
-        out[last]["content"] = items
-    return out
+    return edit_last_user_text(plain, lambda text: text + suffix)
 
 
 def question_text(messages: list[dict[str, Any]]) -> str:
@@ -574,7 +561,7 @@ def auto_reply(label: str, analysis: str, answer: str, trace: str | None = None)
 
 def _role_record(reply: Reply, item: Mapping[str, Any], rule: bool) -> dict[str, Any]:
     """What one answering role said and whether the rule check accepts it."""
-    from keye.eval.synth import extract, is_correct
+    from keye.data.synth_answers import extract, is_correct
     from keye.processing.chat import parse_response
 
     parsed = parse_response(reply.content)
@@ -845,7 +832,7 @@ def synthesize(
     """
     from tqdm import tqdm
 
-    from keye.eval.runner import PredictionStore
+    from keye.data.records import PredictionStore
 
     config.validate()
     t0 = time.perf_counter()

@@ -52,7 +52,7 @@ Event times sit on a 0.5 s grid (every fps used is a multiple of 2), so numeric 
 at the processor's default 2 fps sampling; rows carry ``tolerance`` (seconds) for lenient scoring.
 Multiple-choice answers are option letters; rows carry ``choices`` (the option texts, in letter order). The
 question asks for the option's text and the assistant turn (the training target) is that text; scorers
-map it back to the letter (``keye.eval.synth``, the MMMU rule: a letter or the option's text).
+map it back to the letter (:mod:`keye.data.synth_answers`, the MMMU rule: a letter or the option's text).
 
 Thinking modes (``modes=True``, ``keye data synth --modes``; off by default, so the default set is unchanged):
 each row also gets ``modes``, the assistant target of every Keye thinking mode, written from the scene

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeInputError
-from keye.eval.extract import NUMBER_RE, answer_tail, final_number, leading_letter
+from keye.rewards.answers import NUMBER_RE, answer_tail, final_number, leading_letter
 
 logger = logging.getLogger(__name__)
 
@@ -326,14 +326,14 @@ _LIST = re.compile(r"\[[^\[\]]*\]")
 def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
     """Rule-based answer extraction used when no LLM judge is configured (ours, not official).
 
-    The *tail* is :func:`keye.eval.extract.answer_tail`: the text after the last answer cue (``answer is``,
+    The *tail* is :func:`keye.rewards.answers.answer_tail`: the text after the last answer cue (``answer is``,
     ``answer:``, ``final answer is``, ``correct option is``, ...; case-insensitive), or the whole response.
 
     - multiple choice: a standalone uppercase letter opening the tail (``B``, ``(B) text``, ``**B**``,
-      ``B. text``; see :func:`keye.eval.extract.leading_letter`) that names a choice; else the last ``(x)`` in the response, returned as
+      ``B. text``; see :func:`keye.rewards.answers.leading_letter`) that names a choice; else the last ``(x)`` in the response, returned as
       ``"(x)"`` for the official normaliser; else the choice text that occurs last in the tail, then in the
       response (longest on ties); else the tail, left to the official Levenshtein matching.
-    - integer / float: :func:`keye.eval.extract.final_number`: the first number of the tail after an
+    - integer / float: :func:`keye.rewards.answers.final_number`: the first number of the tail after an
       answer cue, else the last number of the response (thousands commas removed, ``a/b`` divided out).
     - list: the last ``[...]`` in the response, re-joined with ``", "`` (``[1,2]`` -> ``[1, 2]``); else the
       numbers of the tail as such a list.

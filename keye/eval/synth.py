@@ -5,16 +5,9 @@ user turn with the clip or image and the question; a trailing assistant turn hol
 before inference), ``answer``, ``answer_kind`` (``"mc"``: an option letter; ``"numeric"``: a number),
 ``question_type``, and optionally ``choices`` (option texts in letter order) and ``tolerance``.
 
-Scoring rules (ours; the set has no official scorer):
-
-- ``mc``: the MMMU rule, a letter or the option's text. The letter is read from the post-processed
-  response with :func:`keye.eval.extract.choice_letter` (letter opening the answer tail, last ``(X)``, a
-  unique standalone letter, else the option text that occurs last: ``"B"``, ``"B. red"`` and ``"red"`` all
-  pick option B); correct when it equals ``answer``. The set asks for the option's text and keye-tiny
-  answers with it; a response naming no option is wrong (no random fallback).
-- ``numeric``: the answer number (:func:`keye.eval.extract.final_number`: the first number after an answer
-  cue, else the last number of the response); correct when ``|pred - answer| <= tolerance`` (``tolerance`` from
-  the row, default 0, plus 1e-9 for float round-off).
+Scoring rules (ours; the set has no official scorer): :mod:`keye.data.synth_answers` (an option letter or
+the option's text for ``mc``, the answer number within ``tolerance`` for ``numeric``); its ``extract`` and
+``is_correct`` are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,10 +16,20 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from keye.data.synth_answers import ANSWER_KINDS, extract, is_correct
 from keye.errors import KeyeInputError
-from keye.eval.extract import choice_letter, final_number
 
-ANSWER_KINDS = ("mc", "numeric")
+__all__ = [
+    "ANSWER_KINDS",
+    "blank_items",
+    "build_conversation",
+    "extract",
+    "is_correct",
+    "load_items",
+    "majority_baseline",
+    "record_for",
+    "score_records",
+]
 
 
 def load_items(path: str | Path) -> list[dict[str, Any]]:
@@ -86,30 +89,6 @@ def record_for(item: Mapping[str, Any], raw_output: str, response: str) -> dict[
     rec["raw_output"] = raw_output
     rec["response"] = response
     return rec
-
-
-def extract(response: str, item: Mapping[str, Any]) -> str | None:
-    """Return the answer read from ``response``: an option letter (mc) or a number string, or None."""
-    if item["answer_kind"] == "mc":
-        choices = item.get("choices") or []
-        if not choices:
-            # Without option texts, accept any A-H letter as the option space.
-            choices = [""] * 8
-        return choice_letter(response, [str(c) for c in choices])
-    return final_number(response)
-
-
-def is_correct(prediction: str | None, item: Mapping[str, Any]) -> bool:
-    """Apply the module's scoring rule to an extracted ``prediction`` (None is wrong)."""
-    if prediction is None:
-        return False
-    if item["answer_kind"] == "mc":
-        return prediction == str(item["answer"]).strip()
-    try:
-        diff = abs(float(prediction) - float(item["answer"]))
-    except ValueError:
-        return False
-    return diff <= float(item.get("tolerance") or 0.0) + 1e-9
 
 
 def score_records(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from keye.errors import KeyeInputError
+from keye.rewards.format import mode_suffix, split_mode_switch
+from keye.rewards.text import last_boxed
+
+# The one boxed rule for parsed responses lives with the other answer-format helpers; kept under its old name.
+extract_boxed = last_boxed
 
 OFFICIAL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in "
@@ -33,7 +39,6 @@ OFFICIAL_CHAT_TEMPLATE = (
 
 ROLES = ("system", "user", "assistant", "tool")
 MODES = (None, "think", "no_think", "auto")
-_MODE_SUFFIX = re.compile(r"\s*/(no_think|think)\s*$")
 
 
 def item_kind(content: dict[str, Any]) -> str:
@@ -80,6 +85,35 @@ def validate_messages(messages: Any, conversation: int | None = None) -> list[di
     return messages
 
 
+def edit_last_user_text(messages: list[dict[str, Any]], edit: Callable[[str], str]) -> list[dict[str, Any]]:
+    """Return a copy of ``messages`` whose last user message has its last text replaced by ``edit(text)``.
+
+    The text is the message's string content or its last text item; a message with only media items gets a
+    new text item holding ``edit("")`` when that is non-empty. Only the edited message and its items are
+    copied; without a user message the copy is unchanged. Raises :class:`KeyeInputError` for an item that
+    is neither text nor media (:func:`item_kind`).
+    """
+    out = copy.copy(messages)
+    users = [i for i, m in enumerate(out) if m["role"] == "user"]
+    if not users:
+        return out
+    i = users[-1]
+    msg = dict(out[i])
+    if isinstance(msg["content"], str):
+        msg["content"] = edit(msg["content"])
+    else:
+        content = [dict(c) for c in msg["content"]]
+        texts = [j for j, c in enumerate(content) if item_kind(c) == "text"]
+        if texts:
+            c = content[texts[-1]]
+            c["text"] = edit(c["text"])
+        elif added := edit(""):
+            content.append({"type": "text", "text": added})
+        msg["content"] = content
+    out[i] = msg
+    return out
+
+
 def apply_mode(messages: list[dict[str, Any]], mode: str | None) -> list[dict[str, Any]]:
     """Return a copy of ``messages`` with the thinking-mode switch applied (§11.4).
 
@@ -87,30 +121,10 @@ def apply_mode(messages: list[dict[str, Any]], mode: str | None) -> list[dict[st
     last user message, replacing a switch already there; ``"auto"`` removes any switch; ``None`` leaves
     the messages untouched. Raises :class:`KeyeInputError` for an unknown mode.
     """
-    if mode not in MODES:
-        raise KeyeInputError(f"unknown thinking mode {mode!r}; expected one of {MODES}")
+    suffix = mode_suffix(mode)
     if mode is None:
         return messages
-    out = copy.copy(messages)
-    users = [i for i, m in enumerate(out) if m["role"] == "user"]
-    if not users:
-        return out
-    i = users[-1]
-    msg = dict(out[i])
-    suffix = "" if mode == "auto" else f"/{mode}"
-    if isinstance(msg["content"], str):
-        msg["content"] = _MODE_SUFFIX.sub("", msg["content"]) + suffix
-    else:
-        content = [dict(c) for c in msg["content"]]
-        texts = [j for j, c in enumerate(content) if item_kind(c) == "text"]
-        if texts:
-            c = content[texts[-1]]
-            c["text"] = _MODE_SUFFIX.sub("", c["text"]) + suffix
-        elif suffix:
-            content.append({"type": "text", "text": suffix})
-        msg["content"] = content
-    out[i] = msg
-    return out
+    return edit_last_user_text(messages, lambda text: split_mode_switch(text)[0] + suffix)
 
 
 class ChatTemplate:
@@ -178,22 +192,6 @@ def _last_block(text: str, tag: str) -> tuple[str | None, str]:
     open_pos = before.rfind(f"<{tag}>")
     content = before[open_pos + len(tag) + 2 :] if open_pos >= 0 else before
     return content.strip(), after
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
-    pos = text.rfind("\\boxed{")
-    while pos >= 0:
-        depth, i = 0, pos + len("\\boxed")
-        for j in range(i, len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i + 1 : j]
-        pos = text.rfind("\\boxed{", 0, pos)  # unbalanced: try an earlier one
-    return None
 
 
 _END_MARKERS = re.compile(r"(\s*(<\|im_end\|>|<\|endoftext\|>))+\s*$")

@@ -69,14 +69,36 @@ def normalize_mode(mode: str | None) -> str | None:
     return _MODE_ALIASES[key]
 
 
+# The switch each mode appends to the last user text (Keye's, also Qwen3's); auto appends none.
+MODE_SWITCHES = {"think": "/think", "no_think": "/no_think", "auto": ""}
+
+
+def mode_suffix(mode: str | None) -> str:
+    """The text a thinking mode appends to the user's prompt: ``/think``, ``/no_think``, or ``""`` for
+    ``"auto"`` and None. Raises :class:`KeyeInputError` for any other mode (no aliases here: see
+    :func:`normalize_mode`)."""
+    if mode is None:
+        return ""
+    if not isinstance(mode, str) or mode not in MODE_SWITCHES:
+        raise KeyeInputError(f"unknown thinking mode {mode!r}; expected one of {', '.join(MODES)} or None")
+    return MODE_SWITCHES[mode]
+
+
+def split_mode_switch(text: str) -> tuple[str, str | None]:
+    """``(text without its switch, mode)``: a trailing ``/think`` or ``/no_think`` (whitespace around it
+    ignored) is cut with the whitespace before it, giving "think" / "no_think"; text without one comes back
+    unchanged with None."""
+    body = text.rstrip()
+    for mode in ("no_think", "think"):
+        switch = MODE_SWITCHES[mode]
+        if body.endswith(switch):
+            return body[: -len(switch)].rstrip(), mode
+    return text, None
+
+
 def mode_from_prompt(prompt: str) -> str:
     """The mode a user prompt requests: ends with ``/no_think`` -> "no_think", ``/think`` -> "think", else "auto"."""
-    tail = _t.coerce_text(prompt)[-64:].rstrip()
-    if tail.endswith("/no_think"):
-        return "no_think"
-    if tail.endswith("/think"):
-        return "think"
-    return "auto"
+    return split_mode_switch(_t.coerce_text(prompt)[-64:])[1] or "auto"
 
 
 @dataclass(frozen=True)
@@ -175,16 +197,9 @@ def has_valid_boxed(answer: str) -> bool:
     start = answer.rfind(_t.BOXED)
     if start < 0:
         return False
-    tail = answer[start + len(_t.BOXED) :]
-    depth, pos = 1, 0
-    while True:
-        close = tail.find("}", pos)
-        if close < 0:
-            return False
-        depth += tail.count("{", pos, close) - 1
-        if depth == 0:
-            return bool(tail[:close].strip())
-        pos = close + 1
+    start += len(_t.BOXED)
+    close = _t.closing_brace(answer, start)
+    return close >= 0 and bool(answer[start:close].strip())
 
 
 def check_format(

@@ -70,6 +70,25 @@ def count_words(text: str) -> int:
     return sum(1 for _ in _WORD_RE.finditer(text))
 
 
+def closing_brace(text: str, start: int = 0, end: int | None = None) -> int:
+    """Index of the ``}`` that closes a brace opened just before ``text[start]``, or -1 when none does
+    before ``end`` (default: the end of ``text``).
+
+    Braces in between nest (``"a{b}c}"`` -> 5); linear time (``str.find`` / ``str.count`` scans).
+    """
+    depth = 1
+    pos = start
+    while True:
+        close = text.find("}", pos, end)
+        if close < 0:
+            return -1
+        # Opening braces between the previous stop and this closing brace raise the depth first.
+        depth += text.count("{", pos, close) - 1
+        if depth <= 0:
+            return close
+        pos = close + 1
+
+
 def extract_boxed(text: str) -> str:
     """KeyeChat's boxed extraction (``docs/evaluation.md`` section 3, step 5), in linear time.
 
@@ -79,17 +98,28 @@ def extract_boxed(text: str) -> str:
     """
     start = text.rfind(BOXED)
     tail = text if start < 0 else text[start + len(BOXED) :]
-    depth = 1
-    pos = 0
-    while True:
-        close = tail.find("}", pos)
-        if close < 0:
-            return tail
-        # Opening braces between the previous stop and this closing brace raise the depth first.
-        depth += tail.count("{", pos, close) - 1
-        if depth <= 0:
-            return tail[:close]
-        pos = close + 1
+    close = closing_brace(tail)
+    return tail if close < 0 else tail[:close]
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last *closed* ``\\boxed{...}`` in ``text`` (nested braces balanced), or None.
+
+    Unlike :func:`extract_boxed` (KeyeChat's rule, which never fails), a box whose braces never close is
+    skipped in favour of an earlier closed one, and text without a closed box gives None.
+    """
+    limit = len(text)
+    pos = text.rfind(BOXED)
+    while pos >= 0:
+        start = pos + len(BOXED)
+        close = closing_brace(text, start, limit)
+        if close >= 0:
+            return text[start:close]
+        # A box that never closes keeps every earlier box open past its own start, so an earlier box can
+        # only close before it: bounding the scan there keeps the whole search linear.
+        limit = pos
+        pos = text.rfind(BOXED, 0, pos)
+    return None
 
 
 def last_answer_block(text: str) -> str | None:

@@ -23,7 +23,7 @@ from keye.data.autothink import (
     synthesize,
 )
 from keye.data.manifest import read_manifest
-from keye.eval.runner import PredictionStore
+from keye.data.records import PredictionStore
 from keye.processing.chat import parse_response
 from keye.rewards.format import check_format
 

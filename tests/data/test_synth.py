@@ -23,7 +23,7 @@ from keye.data.synth import (
     write_image,
     write_video,
 )
-from keye.eval.extract import choice_letter
+from keye.rewards.answers import choice_letter
 
 
 def _frames(path: Path) -> list[np.ndarray]:
