@@ -6,7 +6,7 @@ backpropagate a random linear function of both into the hidden states and the he
 
 - full: the logits of all tokens at once (what the tree path did before; [4096, 151936] float32 is 2.3 GiB
   and autograd keeps several such tensors for the backward);
-- chunked: :func:`keye.rl.logprobs.chunked_token_logprobs` with its default chunk, each chunk recomputed in
+- chunked: :func:`keye.train.logprobs.chunked_token_logprobs` with its default chunk, each chunk recomputed in
   the backward.
 
 Memory is the peak RSS during the block minus the RSS at its start (sampled by a thread; the weight
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from _memory import PeakRSS
 
-from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
+from keye.train.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 
 
 def _inputs(tokens: int, hidden: int, vocab: int):

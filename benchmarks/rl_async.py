@@ -1,12 +1,12 @@
 """RL throughput of asynchronous (SeamlessFlow-style) vs synchronous rollouts.
 
-Part (a), measured on this machine: :func:`keye.rl.async_loop.train_async` on keye-tiny with a local Ray cluster
-(the rollout worker, a :class:`keye.rl.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
+Part (a), measured on this machine: :func:`keye.rl.distributed.streaming.train_async` on keye-tiny with a local Ray cluster
+(the rollout worker, a :class:`keye.rl.distributed.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
 learner group of one rank, ``rl.ray.learners=1``, in another with one torch thread), synchronous
 (``rl.max_staleness=0``: only the batch of the current weights is generated, so nothing is generated while the
 learner trains) vs asynchronous (``rl.max_staleness`` ``--staleness``: the next batch is generated during the
 update and unfinished answers continue under the new weights). Both run the same code, prompts, seeds and
-answer lengths; the lengths are long-tailed: :class:`keye.rl.stream_worker.AnswerLengths` (``--a-mu``,
+answer lengths; the lengths are long-tailed: :class:`keye.rl.distributed.stream_worker.AnswerLengths` (``--a-mu``,
 ``--a-sigma``, capped at ``--a-max-tokens``) forces each answer's length (EOS masked until then). Throughput
 is trained answers per second over the updates after ``--a-warmup`` (worker start-up and first batches
 excluded), the median of ``--a-repeats`` runs of each mode, run alternately.
@@ -14,7 +14,7 @@ excluded), the median of ``--a-repeats`` runs of each mode, run alternately.
 Part (b), the simulated cluster: first measures keye-tiny's costs on this machine (one decode step of
 ``model.generate`` at batch 1 and 16, prefill per prompt token, forward + backward per training token and
 one AdamW step, copying the weights into a second model as the weight sync), then feeds them to the
-discrete-event model of :mod:`keye.rl.simulate`: ``--gpus`` devices each costing what keye-tiny costs here,
+discrete-event model of :mod:`keye.rl.distributed.simulate`: ``--gpus`` devices each costing what keye-tiny costs here,
 ``--prompts`` x ``--group`` answers per update with lognormal lengths (``--mu``, ``--sigma``, capped at
 ``--max-tokens``), synchronous RL (all devices generate, then all train, then sync) vs asynchronous RL with
 staleness ``--staleness`` (the best of colocated and tag-shared placements). Each device decodes at most
@@ -26,7 +26,7 @@ twenty-fold between runs, with one it varied by about a quarter.
 A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, and a what-if where a decode step
 costs the same for any number of answers (memory-bound decoding, as a large model on a GPU; the step is
 priced at the measured full-batch cost), which is not measured here. Each simulated ratio is shown with its
-ceiling (:func:`keye.rl.simulate.ceiling`), the most any schedule with that staleness could reach on that
+ceiling (:func:`keye.rl.distributed.simulate.ceiling`), the most any schedule with that staleness could reach on that
 workload: at staleness 1 about 2x with memory-bound decoding. The last line gives both ratios:
 ``rl throughput async vs sync: measured X.XXx, simulated 64 GPUs Y.YYx``.
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 import keye
-from keye.rl.simulate import ClusterConfig, ceiling, compare
+from keye.rl.distributed.simulate import ClusterConfig, ceiling, compare
 
 
 def _best_of(fn, repeats: int = 5) -> float:
@@ -133,15 +133,15 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     (``staleness``), ``repeats`` runs each, alternating; returns ``{"sync": [...], "async": [...]}``.
 
     Each run: ``steps`` updates of ``prompts`` x ``group`` answers whose lengths are forced by
-    :class:`keye.rl.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
+    :class:`keye.rl.distributed.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
     run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs: one for the
     learner actor, one for the rollout actor, each with one torch thread; the driver only schedules and
     scores)."""
     import ray
 
-    from keye.rl.async_loop import train_async
+    from keye.rl.distributed.streaming import train_async
     from keye.rl.config import RLEPConfig
-    from keye.rl.stream_worker import AnswerLengths
+    from keye.rl.distributed.stream_worker import AnswerLengths
     from keye.train.config import load_config
 
     if warmup < 1 or steps <= warmup:
@@ -229,7 +229,7 @@ def main() -> None:
           f"{best.partial} answers continued across a weight update, {best.preempted} preemptions)")
 
     flat = replace(cfg, decode_step_s=cfg.decode_step_s + cfg.decode_token_s * per_gpu, decode_token_s=0.0)
-    print(f"  ceiling of any staleness-{args.staleness} schedule (keye.rl.simulate.ceiling): "
+    print(f"  ceiling of any staleness-{args.staleness} schedule (keye.rl.distributed.simulate.ceiling): "
           f"{ceiling(cfg, args.staleness, sync):.2f}x, reached only by knowing each answer's length before it starts; "
           f"{ceiling(flat, args.staleness):.2f}x with memory-bound decoding (a step costing the same for any batch)")
     if not args.no_sweep:

@@ -28,7 +28,7 @@ Each layout runs as ``python -m torch.distributed.run --nproc_per_node 2 --stand
 run's figure the larger of its two ranks, the reported figure the median over repeats. Both layouts must
 train the same model: the sum of the whole batch's old log-probs at each step (the second step's come from the
 updated policy) and the gradient norm of each update agree to rtol 1e-4 (the loss cannot show it: at ratio 1
-it depends on the advantages only). ``keye.rl.plan.plan_memory``'s learner-phase prediction for the same model
+it depends on the advantages only). ``keye.rl.learner.plan.plan_memory``'s learner-phase prediction for the same model
 and micro-batch (padded, float32, no overhead line) is printed next to the measurement. The last line is the
 ratio of the medians, replicated over sharded.
 
@@ -146,11 +146,12 @@ def worker(out_dir: Path, ckpt: Path, samples_path: Path, overrides: list[str], 
     import torch.distributed.fsdp  # noqa: F401
 
     import keye.model.keye_vl  # noqa: F401
-    import keye.rl.tree  # noqa: F401
-    import keye.train.sft  # noqa: F401
+    import keye.train.checkpoint  # noqa: F401
+    import keye.train.optim  # noqa: F401
+    import keye.train.tree  # noqa: F401
     from keye.rl import assign_advantages
     from keye.rl.config import RLEPConfig, policy_loss_kwargs
-    from keye.rl.learner import Learner
+    from keye.rl.learner.learner import Learner
     from keye.train import dist as kdist
     from keye.train.config import load_config
 
@@ -228,14 +229,14 @@ def aggregate(records: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- parent
 def plan_mib(ckpt: Path, samples_path: Path, overrides: list[str]) -> float:
-    """``keye.rl.plan.plan_memory``'s learner-phase bytes (MiB) on 2 ranks for the layout of ``overrides``
+    """``keye.rl.learner.plan.plan_memory``'s learner-phase bytes (MiB) on 2 ranks for the layout of ``overrides``
     (``train.strategy``, micro-batch size, ``rollout.max_new_tokens``, gradient checkpointing): this
     checkpoint, one padded micro-batch of rows of the batch's longest prompt + ``max_new_tokens``, the largest
     image per row, float32, no reference, no overhead line."""
     from keye.config import KeyeVLConfig
     from keye.rl.config import RLEPConfig
-    from keye.rl.logprobs import DEFAULT_CHUNK_TOKENS
-    from keye.rl.plan import plan_memory
+    from keye.train.logprobs import DEFAULT_CHUNK_TOKENS
+    from keye.rl.learner.plan import plan_memory
     from keye.train.config import load_config
 
     cfg = load_config(RLEPConfig, None, overrides)
@@ -310,7 +311,7 @@ def main() -> None:
         samples_path = build_samples(ckpt, tmp / "samples.pt", prompts=args.prompts, group=args.group,
                                      new_tokens=args.new_tokens)
         from keye.config import KeyeVLConfig
-        from keye.rl.plan import count_parameters
+        from keye.rl.learner.plan import count_parameters
 
         n_params = count_parameters(KeyeVLConfig.from_json_file(ckpt)).total
         plans = {s: plan_mib(ckpt, samples_path, config_overrides(ckpt, tmp, micro=args.micro, tree=args.tree,

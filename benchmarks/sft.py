@@ -1,4 +1,4 @@
-"""SFT throughput and memory on the synthetic video-QA set, through the real recipe (keye.train.sft).
+"""SFT throughput and memory on the synthetic video-QA set, through the real recipe (keye.recipes.sft).
 
   (a) training tokens/s with packed rows (varlen attention, no padding) vs padded batches of the same
       samples; tokens/s counts real tokens only, so padding shows up as lost throughput -> ratio
@@ -48,7 +48,8 @@ def make_checkpoint(root: Path) -> Path:
 
 def run_sft(ckpt: Path, manifest: Path, out: Path, steps: int, *extra: str) -> dict:
     from keye.train.config import load_config
-    from keye.train.sft import SFTConfig, train
+    from keye.sft.config import SFTConfig
+    from keye.recipes.sft import train
 
     cfg = load_config(SFTConfig, None, [
         f"model.path={ckpt}", f"data.manifest={manifest}", f"train.max_steps={steps}", "train.lr=1e-3",
@@ -65,7 +66,7 @@ def _peak_child(ckpt: str, manifest: str, checkpointing: bool, queue) -> None:
     from keye.data.loader import build_dataloader
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.train.sft import model_inputs
+    from keye.sft.step import model_inputs
 
     model = KeyeVL.from_pretrained(ckpt).train()
     if checkpointing:

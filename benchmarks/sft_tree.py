@@ -2,12 +2,12 @@
 
 A micro-batch of ``--rows`` multi-answer rows, each a 2,048-token video prompt (mostly video
 placeholders) with B = 4 answers of 96 tokens, built exactly as the SFT loader builds it
-(:class:`keye.train.sft.TreeSampleProcessor` layout joined by ``collate_packed``), on the random
+(:class:`keye.sft.trees.TreeSampleProcessor` layout joined by ``collate_packed``), on the random
 benchmark-size Keye-VL of ``benchmarks/tree.py``. One "step" is forward + summed token loss + backward:
 
-- unshared (``train.tree=off``): :func:`keye.train.sft.unshared_batch` expands every answer into its own
+- unshared (``train.tree=off``): :func:`keye.sft.trees.unshared_batch` expands every answer into its own
   packed row (prompt and video repeated B times) and the model's packed loss runs on it;
-- tree (``train.tree=auto``): :func:`keye.train.sft.tree_loss`, one forest row, every prompt and the
+- tree (``train.tree=auto``): :func:`keye.sft.trees.tree_loss`, one forest row, every prompt and the
   vision tower once.
 
 Both give the same loss and gradients (checked here). Reports medians of ``--repeats`` interleaved runs
@@ -26,8 +26,9 @@ import torch
 from tree import make_group, make_model
 
 from keye.data.collate import collate_packed
-from keye.rl.tree import build_tree
-from keye.train.sft import model_inputs, target_tokens, tree_loss, unshared_batch
+from keye.train.tree import build_tree
+from keye.sft.step import model_inputs
+from keye.sft.trees import target_tokens, tree_loss, unshared_batch
 
 CPU = torch.device("cpu")
 

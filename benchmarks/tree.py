@@ -5,9 +5,9 @@ tokens. An "update" is the policy forward (log-probs of all response tokens), a 
 token-mean loss with mixed-sign advantages, and the backward pass, on a small random Keye-VL
 (hidden 256, 4 decoder layers, vision hidden 192) where the 2-layer test model would be meaningless.
 
-- unshared: each prompt + response runs as its own sequence (:func:`keye.rl.tree.branch_logprobs`),
+- unshared: each prompt + response runs as its own sequence (:func:`keye.train.tree.branch_logprobs`),
   so the vision tower and the 2,048 prompt tokens are computed G times (the usual RL batch);
-- tree: one serialised row, prompt once (:func:`keye.rl.tree.tree_logprobs`, efficient kernel).
+- tree: one serialised row, prompt once (:func:`keye.train.tree.tree_logprobs`, efficient kernel).
 
 Both compute the same loss and the same gradients (checked here to 1e-4 relative on the lm head and
 the vision patch embedding).
@@ -25,7 +25,7 @@ import time
 import torch
 
 from keye.config import TextConfig, VisionConfig, tiny_config
-from keye.rl.tree import VisionInputs, branch_logprobs, build_group_tree, tree_logprobs
+from keye.train.tree import VisionInputs, branch_logprobs, build_group_tree, tree_logprobs
 from keye.testing.model import init_unit_scale
 
 

@@ -16,10 +16,9 @@ from keye.errors import KeyeError
 
 # Order is the order of ``keye --help``.
 _AREAS = (
-    "keye.model.cli",  # keye init / merge / convert
-    "keye.processing.cli",  # keye chat / keye process
-    "keye.data.cli",  # keye data check / synth / clip-filter
-    "keye.train.cli",  # keye train sft / rlep, keye init, keye merge
+    "keye.processing.cli",  # keye process
+    "keye.data.cli",  # keye data check / synth / clip-filter / autothink
+    "keye.recipes.cli",  # keye train sft / rlep, keye rlep collect, keye init, keye merge
     "keye.rl.cli",  # keye rl plan
     "keye.eval.cli",  # keye eval mmmu / mathvista / videoqa / synth / score
     "keye.demo.cli",  # keye demo, keye chat

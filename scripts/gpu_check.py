@@ -21,14 +21,14 @@ Checks (``--only`` names):
   ``flash_attention_2`` (flash-attn's varlen kernel) against ``sdpa``, both bf16, relative L2 <= 4u (both
   accumulate in fp32 and round their outputs to bf16). Skipped without the ``flash_attn`` package.
 * ``vllm``: a :class:`keye.rl.VLLMRollout` (vLLM, ``processed_logprobs``) samples a few text and image prompts
-  from ``--model``; the learner (:func:`keye.rl.logprobs.token_logprobs`, bf16) scores the same tokens; the
+  from ``--model``; the learner (:func:`keye.train.logprobs.token_logprobs`, bf16) scores the same tokens; the
   mean absolute difference of the log-probs must be <= ``--max-logp-diff`` (0.05: the rollout/learner mismatch
   that the truncated importance-sampling correction is for is typically a few 1e-2 in bf16); also printed: the
   largest difference and the fraction of tokens whose importance weight would be capped at 2. Skipped without
   ``vllm`` or ``--model``.
 * ``memory``: one learner step (forward with chunked log-probs + entropy, backward, AdamW step; bf16, one GPU,
   no sharding) of a mid-size Keye-VL-1.5 config, peak ``torch.cuda.max_memory_allocated`` against
-  :func:`keye.rl.plan.plan_memory`'s learner phase (CUDA context excluded): the plan must not be below the
+  :func:`keye.rl.learner.plan.plan_memory`'s learner phase (CUDA context excluded): the plan must not be below the
   measurement (2 % slack for allocator rounding) nor above 1.3x of it, with and without gradient
   checkpointing.
 
@@ -182,7 +182,7 @@ def _learner_step_peak(config, device: str, *, rows: int, length: int, response:
     import torch
 
     from keye.model.keye_vl import KeyeVL
-    from keye.rl.logprobs import token_logprobs
+    from keye.train.logprobs import token_logprobs
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -214,10 +214,10 @@ def _learner_step_peak(config, device: str, *, rows: int, length: int, response:
 
 
 def check_memory(device: str) -> list[Row]:
-    """:func:`keye.rl.plan.plan_memory`'s learner phase against a measured learner step, two settings."""
+    """:func:`keye.rl.learner.plan.plan_memory`'s learner phase against a measured learner step, two settings."""
     import torch
 
-    from keye.rl.plan import GiB, plan_memory
+    from keye.rl.learner.plan import GiB, plan_memory
 
     rows, length, response, grid, chunk = 2, 1024, 512, (1, 16, 16), 512
     config = _memory_config(layers=4)
@@ -254,8 +254,9 @@ def check_vllm(device: str, model_path: str | None, max_diff: float, gpu_memory_
         return Row(name, "SKIP", note="needs --model (a Keye-VL checkpoint vLLM can load)")
     from keye import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.rl.logprobs import token_logprobs
-    from keye.rl.rollout import RLPrompt, VLLMRollout, collate_samples
+    from keye.train.logprobs import token_logprobs
+    from keye.rl.rollout.samples import RLPrompt, collate_samples
+    from keye.rl.rollout.engines import VLLMRollout
 
     temperature = 1.0
     processor = KeyeProcessor.from_pretrained(model_path)

@@ -18,7 +18,7 @@ and runs them again):
             --mode M``, one run folder per mode in ``<out>/evals/sft``)
   rl        AutoThink RL (``keye train rlep --config training/configs/tiny_autothink_rl.yaml``,
             ``algorithm.autothink.enabled=true``) from the SFT checkpoint; skipped with a message while
-            ``keye.rl.autothink`` does not exist; by default on the SFT's own training questions, with
+            ``keye.rl.algorithms.autothink`` does not exist; by default on the SFT's own training questions, with
             ``--rl-seed S`` on ``--rl-questions`` new ones drawn from seed S (``<out>/rl_data``)
   eval_rl   the held-out evaluation of the RL checkpoint
   eval_helps  each checkpoint's think and no_think answers on a second held-out split (``--helps-test``
@@ -177,14 +177,14 @@ def make_init(out: Path, policy: str) -> None:
 
 
 def rl_available() -> bool:
-    """True when the AutoThink RL code is in place: ``keye.rl.autothink.AutoThinkConfig`` exists and the
+    """True when the AutoThink RL code is in place: ``keye.rl.algorithms.autothink.AutoThinkConfig`` exists and the
     RL recipe's ``algorithm`` section has an ``autothink`` field."""
-    if importlib.util.find_spec("keye.rl.autothink") is None:
+    if importlib.util.find_spec("keye.rl.algorithms.autothink") is None:
         return False
     import dataclasses
 
-    from keye.rl import autothink
-    from keye.train import rlep
+    from keye.rl.algorithms import autothink
+    from keye.recipes import rlep
 
     algo = next((f.type for f in dataclasses.fields(rlep.RLEPConfig) if f.name == "algorithm"), None)
     algo_cls = getattr(rlep, algo, None) if isinstance(algo, str) else algo
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                  *(["eval.manifest=null", "data.prompts_per_step=2"] if args.quick else []), *args.overrides])
             mark("rl", s, steps=args.rl_steps, questions=str(rl_manifest.relative_to(out)), rl_seed=args.rl_seed)
         else:
-            msg = "keye.rl.autothink is not available yet: AutoThink RL skipped (pending); post-SFT figures only"
+            msg = "keye.rl.algorithms.autothink is not available yet: AutoThink RL skipped (pending); post-SFT figures only"
             print(f"[rl] {msg}", flush=True)
             outputs["rl"][2].write_text(json.dumps({"skipped": msg}))
     if outputs["rl"][0].exists() and not skip("eval_rl"):
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 helps.get("split", ""))
     n = json.loads(outputs["eval_sft"][0].read_text())["n"]
     report = {"config": {k: v for k, v in vars(args).items() if k != "from_stage"}, "n_test": n,
-              "rl": "done" if "after AutoThink RL" in results else "pending (keye.rl.autothink not available)",
+              "rl": "done" if "after AutoThink RL" in results else "pending (keye.rl.algorithms.autothink not available)",
               "stages": log, "results": results}
     md = markdown(results, n)
     outputs["report"][0].write_text(json.dumps(report, indent=1))

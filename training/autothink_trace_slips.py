@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
     from keye.rl import LocalRollout, load_rl_prompts
-    from keye.rl.autothink import expand
-    from keye.rl.scoring import RewardScorer
+    from keye.rl.algorithms.autothink import expand
+    from keye.rl.rollout.scoring import RewardScorer
 
     items = {}
     for n, line in enumerate(Path(args.data).read_text().splitlines(), 1):

@@ -112,7 +112,7 @@ def paired(start: dict[str, list[int]], run: dict[str, list[int]], kinds: dict[s
     """Paired change from the SFT start to a trained run, per question, overall and per answer kind.
 
     ``start`` / ``run`` map question id to ``[greedy passed, sampled passed, sampled n]`` (the
-    ``per_prompt`` table of :func:`keye.rl.evaluate.greedy_accuracy`, same questions and sampling seed).
+    ``per_prompt`` table of :func:`keye.rl.loop.evaluate.greedy_accuracy`, same questions and sampling seed).
     For each group and each metric (``greedy``, ``sampled``) returns the start and run means and the mean
     per-question difference with its standard error, as :func:`keye.eval.modes.paired_diff` computes them
     (sample std / sqrt(n); ``se`` None for a group of one question).
@@ -148,7 +148,7 @@ def final_comparison(policy: str, runs: dict[str, Path], test: Path, samples: in
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
     from keye.rl import RewardScorer, load_rl_prompts
-    from keye.rl.evaluate import greedy_accuracy
+    from keye.rl.loop.evaluate import greedy_accuracy
     from keye.tiny import resolve_model_path
 
     torch.set_flush_denormal(True)

@@ -1,4 +1,4 @@
-"""``keye rl plan``: the per-GPU memory plan of an RL recipe (see :mod:`keye.rl.plan` and docs/rl_memory.md)."""
+"""``keye rl plan``: the per-GPU memory plan of an RL recipe (see :mod:`keye.rl.learner.plan` and docs/rl_memory.md)."""
 
 from __future__ import annotations
 
@@ -83,11 +83,11 @@ def resolve_model_config(model_path: str, explicit: str | None = None):
 
 
 def build_plan(args):
-    """The :class:`~keye.rl.plan.MemoryPlan` of parsed ``keye rl plan`` arguments."""
+    """The :class:`~keye.rl.learner.plan.MemoryPlan` of parsed ``keye rl plan`` arguments."""
     from keye.rl.config import RLEPConfig
-    from keye.rl.plan import plan_memory
+    from keye.rl.learner.plan import plan_memory
     from keye.train.config import load_config
-    from keye.train.sft import STAGE_FREEZE
+    from keye.train.optim import STAGE_FREEZE
 
     cfg = load_config(RLEPConfig, args.config, args.overrides)
     model_config, name = resolve_model_config(cfg.model.path, args.model_config)

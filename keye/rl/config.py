@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from keye.errors import KeyeConfigError
-from keye.rl.advantages import DifficultyCurve
-from keye.rl.autothink import AutoThinkConfig
-from keye.rl.losses import KL_LOSS_ESTIMATORS
-from keye.rl.sampling import ModeMix
-from keye.train.sft import ModelSection
+from keye.rl.algorithms.advantages import DifficultyCurve
+from keye.rl.algorithms.autothink import AutoThinkConfig
+from keye.rl.algorithms.losses import KL_LOSS_ESTIMATORS
+from keye.rl.algorithms.sampling import ModeMix
+from keye.train.sections import CheckpointSection, LogSection, ModelSection, OptimSection
 
 
 @dataclass
@@ -92,7 +92,7 @@ class AlgorithmSection:
     difficulty: Any = None  # None, a preset name (flat, mixed_up, solved_down) or [[pass_rate, scale], ...]
     mode_mix: dict[str, float] | None = None  # e.g. {think: 1, no_think: 1, auto: 1}; None = prompts as given
     # AutoThink mode-selection reward: each prompt -> linked auto / forced-think / forced-direct groups
-    # (keye/rl/autothink.py, docs/autothink.md); synchronous loops only (in process or rl.engine=ray)
+    # (keye/rl/algorithms/autothink.py, docs/autothink.md); synchronous loops only (in process or rl.engine=ray)
     autothink: AutoThinkConfig = field(default_factory=AutoThinkConfig)
 
 
@@ -114,46 +114,16 @@ class TreeSection:
 
 
 @dataclass
-class RLTrainSection:
-    """Optimisation (fields as in SFT's ``train`` section, ``steps`` = RL steps) and parallelism."""
+class RLTrainSection(OptimSection):
+    """The shared optimisation fields (RL defaults: lr 1e-6, constant schedule), ``steps`` = RL steps, and the
+    learner's parallel strategy."""
 
-    stage: Literal["align", "full", "llm_only", "custom"] = "full"
-    freeze: list[str] = field(default_factory=list)
     lr: float = 1e-6
-    lr_vision: float | None = None
-    lr_projector: float | None = None
-    lr_llm: float | None = None
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
     schedule: Literal["cosine", "linear", "constant"] = "constant"
-    min_lr_ratio: float = 0.1
     steps: int = 100  # RL steps (rollout batches)
-    grad_clip: float = 1.0
-    seed: int = 0
-    # none / ddp: replicated policy; fsdp2 / zero3: sharded learner (keye/rl/learner.py)
+    # none / ddp: replicated policy; fsdp2 / zero3: sharded learner (keye/rl/learner/learner.py); zero3 reads
+    # deepspeed_config (default keye.rl.learner.learner.DEFAULT_ZERO3)
     strategy: Literal["none", "ddp", "fsdp2", "zero3"] = "none"
-    deepspeed_config: str | None = None  # zero3: a DeepSpeed JSON; default keye.rl.learner.DEFAULT_ZERO3
-    device: str = "auto"
-
-
-@dataclass
-class RLCheckpointSection:
-    """Where checkpoints go, how often, how many are kept, and the final export."""
-
-    out_dir: str = "runs/rlep"
-    save_every: int = 0
-    keep_last: int = 2
-    export: bool = True
-
-
-@dataclass
-class RLLogSection:
-    """Metrics rows (every N steps), progress bar and TensorBoard."""
-
-    every: int = 1
-    progress: bool = True
-    tensorboard: bool = False
 
 
 @dataclass
@@ -171,7 +141,7 @@ class EvalSection:
 
 @dataclass
 class RaySection:
-    """Where the Ray components run (``rl.engine: ray``; keye/rl/ray_engine.py, docs/rl_ray.md)."""
+    """Where the Ray components run (``rl.engine: ray``; keye/rl/distributed/, docs/rl_ray.md)."""
 
     address: str | None = None  # None: start a local cluster with this machine's CPUs; "auto": join `ray start`
     num_cpus: int | None = None  # local cluster only: CPUs it offers (None: all of this machine's)
@@ -217,8 +187,8 @@ class RLEPConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     tree: TreeSection = field(default_factory=TreeSection)
     train: RLTrainSection = field(default_factory=RLTrainSection)
-    checkpoint: RLCheckpointSection = field(default_factory=RLCheckpointSection)
-    log: RLLogSection = field(default_factory=RLLogSection)
+    checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(out_dir="runs/rlep"))
+    log: LogSection = field(default_factory=lambda: LogSection(tensorboard=False))
     eval: EvalSection = field(default_factory=EvalSection)
     rl: RLSection = field(default_factory=RLSection)
 
@@ -293,7 +263,7 @@ def _validate_autothink(cfg: RLEPConfig) -> None:
 
 
 def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
-    """Keyword arguments of :func:`keye.rl.losses.policy_loss` from ``cfg.algorithm``; the Dr.GRPO factor
+    """Keyword arguments of :func:`keye.rl.algorithms.losses.policy_loss` from ``cfg.algorithm``; the Dr.GRPO factor
     defaults to ``rollout.max_new_tokens`` (the longest response, replayed ones are cut to it too)."""
     a = cfg.algorithm
     factor = a.loss_scale_factor if a.loss_scale_factor is not None else cfg.rollout.max_new_tokens

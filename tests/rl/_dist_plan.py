@@ -25,7 +25,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def run(out: Path, frozen: list[str], info: kdist.DistInfo) -> None:
     """One FSDP2 step of the small model with ``frozen`` towers; writes this rank's shard bytes under ``out``."""
     from keye.model.keye_vl import KeyeVL
-    from keye.train.sft import tower_of
+    from keye.train.optim import tower_of
 
     torch.manual_seed(0)
     model = KeyeVL(small_config()).train()

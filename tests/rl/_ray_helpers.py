@@ -38,7 +38,7 @@ class FlakyScorer:
     marker: str
 
     def __call__(self, samples):
-        from keye.rl.scoring import Scores
+        from keye.rl.rollout.scoring import Scores
 
         try:
             mode = Path(self.marker).read_text()
@@ -63,7 +63,7 @@ def wire_member(rank: int, port: int, out: str) -> None:
     """One member of the spawned weight-broadcast test: rank 0 sends, ranks 1 and 2 receive and save."""
     from safetensors.torch import save_file
 
-    from keye.rl.ray_engine import broadcast_shards, open_sync_group, receive_shards
+    from keye.rl.distributed.weight_sync import broadcast_shards, open_sync_group, receive_shards
 
     torch.manual_seed(0)  # every member builds the same shards; only rank 0's are sent
     shards = [{"a.weight": torch.randn(3, 4), "a.half": torch.randn(5).to(torch.bfloat16),

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.advantages import (
+from keye.rl.algorithms.advantages import (
     DifficultyCurve,
     difficulty_reshape,
     group_advantages,

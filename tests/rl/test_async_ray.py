@@ -1,4 +1,4 @@
-"""Asynchronous RL on a local Ray cluster (keye.rl.async_loop): the staleness bound holds on every trained answer's
+"""Asynchronous RL on a local Ray cluster (keye.rl.distributed.streaming): the staleness bound holds on every trained answer's
 recorded versions, answers continue across weight updates, a rollout worker killed by its pid loses nothing, a
 driver killed with SIGKILL resumes from its checkpoint and trains the same number of answers, and the learner is
 the Ray learner group (2 FSDP2 ranks train with no policy weights in the driver and match 1 rank)."""
@@ -22,7 +22,8 @@ ray = pytest.importorskip("ray")
 
 from keye.rl import ReplayEntry, ReplayPool  # noqa: E402
 from keye.train.config import load_config  # noqa: E402
-from keye.train.rlep import RLEPConfig, train  # noqa: E402
+from keye.rl.config import RLEPConfig  # noqa: E402
+from keye.recipes.rlep import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +105,8 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
     # next batch's generation and an update took about the same time on a CPU, and whether an answer crossed
     # an update depended on the load.) The first batch is the first B questions of the run's prompt stream.
     from keye.rl import load_rl_prompts
-    from keye.rl.async_loop import train_async
-    from keye.rl.state import PromptStream
+    from keye.rl.distributed.streaming import train_async
+    from keye.rl.loop.state import PromptStream
 
     first = {q.id for q in PromptStream(load_rl_prompts(fx["train"]), 0, 0, 1, True).draw(B)}
 
@@ -137,7 +138,7 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
 
 
 def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path):
-    from keye.rl.async_loop import train_async
+    from keye.rl.distributed.streaming import train_async
 
     killed: dict[str, int] = {}
 
@@ -174,15 +175,15 @@ def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path)
 
 _DRIVER = """
 import json, sys
-from keye.rl.async_loop import train_async
+from keye.rl.distributed.streaming import train_async
 from keye.train.config import load_config
-from keye.train.rlep import RLEPConfig
+from keye.recipes.rlep import RLEPConfig
 train_async(load_config(RLEPConfig, None, json.loads(sys.argv[1])))
 """
 
 
 def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answers(fx, cluster, tmp_path):
-    from keye.rl.async_loop import train_async
+    from keye.rl.distributed.streaming import train_async
 
     out = tmp_path / "crash"
     args = _overrides(fx, out, "checkpoint.save_every=1", "checkpoint.keep_last=3")
@@ -211,7 +212,7 @@ def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answer
 
 
 def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, cluster, tmp_path):
-    from keye.rl.async_loop import train_async
+    from keye.rl.distributed.streaming import train_async
 
     # no replay: a random model fails every question, so every group is uninformative by accuracy; each update
     # examines max_rounds * B groups (the admission makes room for a new group per dropped one), trains none,
@@ -250,8 +251,8 @@ def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(
     import gc
 
     from keye.model.keye_vl import KeyeVL
-    from keye.rl.async_loop import train_async
-    from keye.rl.ray_engine import RemoteLearner
+    from keye.rl.distributed.streaming import train_async
+    from keye.rl.distributed.learner_group import RemoteLearner
 
     seen: list[dict] = []
 
@@ -286,7 +287,7 @@ def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(
 
 def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, cluster, tmp_path):
     """Two runs that differ only in the learner group (2 FSDP2 ranks vs 1 rank, strategy none) end with the
-    same parameters (max |difference| < 2e-5), the learner being world-invariant (keye/rl/learner.py).
+    same parameters (max |difference| < 2e-5), the learner being world-invariant (keye/rl/learner/learner.py).
 
     Made deterministic so that both runs train the same samples: ``rl.max_staleness=0`` (every update waits
     for its own B groups, all sampled by the weights being updated: no answer crosses an update), one rollout
@@ -296,8 +297,8 @@ def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, cluster, t
     the weights, which agree to float rounding."""
     from safetensors.torch import load_file
 
-    from keye.rl.async_loop import train_async
-    from keye.rl.stream_worker import AnswerLengths
+    from keye.rl.distributed.streaming import train_async
+    from keye.rl.distributed.stream_worker import AnswerLengths
 
     lengths = AnswerLengths(mu=math.log(16), sigma=0.0, max_tokens=16)
     # held-out evaluation after every update: the driver's copy is refreshed from the learner group's shards
@@ -328,7 +329,7 @@ def test_prompt_filtering_runs_on_a_ray_task_and_reports_an_empty_question_set(f
     no policy); a random policy never answers correctly, so nothing is kept and the run fails with a typed
     error after releasing its learner group."""
     from keye.errors import KeyeConfigError
-    from keye.rl.async_loop import train_async
+    from keye.rl.distributed.streaming import train_async
 
     cfg = load_config(RLEPConfig, None, _overrides(fx, tmp_path / "f", "data.filter_samples=2",
                                                     "rollout.max_new_tokens=3"))

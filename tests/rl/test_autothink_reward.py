@@ -1,4 +1,4 @@
-"""AutoThink mode-selection reward on constructed groups (keye/rl/autothink.py): easy, hard and mixed questions,
+"""AutoThink mode-selection reward on constructed groups (keye/rl/algorithms/autothink.py): easy, hard and mixed questions,
 the margin, correctness dominance, format penalty, degenerate groups, and the loop helpers on constructed samples.
 Every expected reward is worked out by hand from the formula in docs/autothink.md."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.autothink import (
+from keye.rl.algorithms.autothink import (
     AutoThinkConfig,
     Reply,
     break_even_edge,
@@ -27,7 +27,7 @@ from keye.rl.autothink import (
     question_records,
     replies_of,
 )
-from keye.rl.rollout import PromptInputs, RLPrompt, RolloutSample
+from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
 
 # auto replies: well-formed direct / think, and malformed ones
 DIRECT = "<analysis>Simple lookup. /no_think</analysis>7"
@@ -273,7 +273,7 @@ class _Engine:
 
 @pytest.mark.parametrize("G, think_n, direct_n, n_calls", [(2, 2, 2, 1), (2, 3, 2, 2), (3, 1, 0, 2), (1, 0, 0, 1)])
 def test_generate_links_three_groups_per_question(G, think_n, direct_n, n_calls):
-    from keye.rl.autothink import generate
+    from keye.rl.algorithms.autothink import generate
 
     prompts = [RLPrompt(f"q{i}", [{"role": "user", "content": "How many? /think"}], mode=None) for i in range(3)]
     engine = _Engine()
@@ -293,7 +293,7 @@ def test_generate_links_three_groups_per_question(G, think_n, direct_n, n_calls)
 
 
 def test_generate_explores_the_decision():
-    from keye.rl.autothink import generate
+    from keye.rl.algorithms.autothink import generate
 
     prompts = [RLPrompt(f"q{i}", [{"role": "user", "content": "How many?"}]) for i in range(2)]
     engine = _Engine()

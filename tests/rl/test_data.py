@@ -7,7 +7,7 @@ import json
 import pytest
 
 from keye.errors import KeyeInputError
-from keye.rl.data import load_rl_prompts
+from keye.rl.rollout.prompts import load_rl_prompts
 
 
 def test_manifest_rows_become_prompts(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.losses import aggregate, kl_penalty, policy_loss
+from keye.rl.algorithms.losses import aggregate, kl_penalty, policy_loss
 
 
 def _one_token_rows(log_ratios, advantages):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from keye.errors import KeyeInputError
-from keye.rl.masks import response_lengths, response_mask
+from keye.rl.rollout.masks import response_lengths, response_mask
 
 EOS, EOS2, PAD = 9, 8, 0
 

@@ -1,4 +1,4 @@
-"""The memory plan (keye.rl.plan, ``keye rl plan``) against memory measured on CPU.
+"""The memory plan (keye.rl.learner.plan, ``keye rl plan``) against memory measured on CPU.
 
 Parameters, gradients and AdamW states are compared byte for byte with the tensors of a trained small model;
 FSDP2 shards with what each of 2 gloo ranks holds; activations with the tensors autograd saves
@@ -19,7 +19,7 @@ import torch
 
 from keye.config import KeyeVLConfig, TextConfig, VisionConfig
 from keye.errors import KeyeConfigError
-from keye.rl.plan import activation_bytes, count_parameters, logprob_chunk_bytes, plan_memory
+from keye.rl.learner.plan import activation_bytes, count_parameters, logprob_chunk_bytes, plan_memory
 from tests.paths import REPO_ROOT
 from tests.rl._memtrack import LiveBytes
 from tests.torchrun import torchrun
@@ -96,7 +96,7 @@ def test_parameter_count_of_the_8b_config_equals_the_architecture_formula():
 @pytest.mark.parametrize("dtype,frozen", [("float32", ()), ("bfloat16", ()), ("float32", ("vision",))])
 def test_parameters_gradients_adamw_states_exact(dtype, frozen):
     """After one AdamW step the bytes of parameters, gradients and exp_avg / exp_avg_sq equal the plan's items."""
-    from keye.train.sft import tower_of
+    from keye.train.optim import tower_of
 
     model = _model(getattr(torch, dtype))
     for name, p in model.named_parameters():
@@ -214,7 +214,7 @@ def test_activations_with_and_without_checkpointing_alive_and_peak(dtype):
 def test_logprob_chunk_peak(dtype):
     """Peak bytes of the chunked log-softmax's backward above what the forward left (the accumulated head and
     hidden gradients excluded) vs logprob_chunk_bytes, within 15 %, for several chunk sizes and unchunked."""
-    from keye.rl.logprobs import chunked_token_logprobs
+    from keye.train.logprobs import chunked_token_logprobs
 
     td = getattr(torch, dtype)
     text = TextConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

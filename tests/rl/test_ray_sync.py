@@ -1,4 +1,4 @@
-"""RL on Ray, sync mode (keye/rl/ray_engine.py): the Ray loop equals the in-process loop for the same seed
+"""RL on Ray, sync mode (keye/rl/distributed/): the Ray loop equals the in-process loop for the same seed
 (one learner actor exactly, two FSDP2 learner actors within 2e-5), a killed rollout worker is restarted and
 its request re-sent without changing the results, a resumed Ray run equals the uninterrupted one, reward
 workers that die or hang are replaced and their share re-scored, and the in-process recipe never imports Ray.
@@ -25,10 +25,11 @@ import torch
 from keye import KeyeVL
 from keye.errors import KeyeConfigError
 from keye.rl import RLPrompt, RolloutSample
-from keye.rl.learner import Learner, UpdateResult
-from keye.rl.rollout import PromptInputs
+from keye.rl.learner.learner import Learner, UpdateResult
+from keye.rl.rollout.samples import PromptInputs
 from keye.train.config import load_config
-from keye.train.rlep import RLEPConfig, train
+from keye.rl.config import RLEPConfig
+from keye.recipes.rlep import train
 from tests.conftest import TORCH_THREADS
 from tests.rl import _ray_helpers
 from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
@@ -105,9 +106,9 @@ def one_actor_run(ray_cluster, tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F8
 
 # ------------------------------------------------------------------------------------------ fast
 def test_config_checks_name_the_key():
-    from keye.rl.ray_engine import check_ray_config
+    from keye.rl.distributed.build import check_ray_config
     from keye.train import dist as kdist
-    from keye.train.rlep import build_components
+    from keye.rl.loop.components import build_components
 
     def bad(*over: str, world: int = 1) -> str:
         with pytest.raises(KeyeConfigError) as err:
@@ -133,7 +134,9 @@ def test_config_checks_name_the_key():
 
 
 def test_splits_cover_everything_deterministically():
-    from keye.rl.ray_engine import assign_groups, split_even, worker_seed
+    from keye.rl.distributed.learner_group import assign_groups
+    from keye.rl.distributed.ray_session import split_even
+    from keye.rl.distributed.rollout_workers import worker_seed
 
     for n, parts in ((7, 3), (2, 4), (0, 2), (6, 1)):
         spans = split_even(n, parts)
@@ -161,7 +164,7 @@ def test_driver_plan_is_the_learners_own_plan():
     short mini-batch, an empty one appended)."""
     from types import SimpleNamespace
 
-    from keye.rl.ray_engine import plan_updates
+    from keye.rl.distributed.learner_group import plan_updates
 
     prompt = RLPrompt("q", [{"role": "user", "content": "x"}])
     samples = [RolloutSample(prompt, g, PromptInputs(torch.ones(2, dtype=torch.long)), torch.ones(2, dtype=torch.long),
@@ -184,7 +187,7 @@ def test_driver_plan_is_the_learners_own_plan():
 def test_merged_rank_stats_are_the_union_stats():
     """Per-rank token-weighted means merge into the mean over every rank's tokens; losses (each rank's share
     of a globally normalised loss) add up."""
-    from keye.rl.ray_engine import merge_updates
+    from keye.rl.distributed.learner_group import merge_updates
 
     gen = torch.Generator().manual_seed(0)
     per_rank = [torch.rand(n, generator=gen, dtype=torch.float64) for n in (5, 0, 11)]  # rank 1 has no token
@@ -203,7 +206,7 @@ def test_merged_rank_stats_are_the_union_stats():
     assert st["local_tokens"] == 16.0 and st["tokens"] == 16.0
     assert st["ratio_max"] == float(uratio.max()) and st["ratio_min"] == float(uratio.min())
     assert (merged.grad_norms, merged.skipped, merged.lr) == ([0.5], 1, 1e-3)
-    from keye.rl.rollout_manager import WorkerProtocolError
+    from keye.rl.distributed.rollout_manager import WorkerProtocolError
 
     with pytest.raises(WorkerProtocolError, match="left lockstep"):
         merge_updates([results[0], UpdateResult([], [], 2, 1e-3)])
@@ -215,9 +218,9 @@ def test_weight_broadcast_wire_format_is_exact(tmp_path):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    from keye.rl.ray_engine import _free_port
+    from keye.rl.distributed.ray_session import free_port
 
-    mp.spawn(_ray_helpers.wire_member, args=(_free_port(), str(tmp_path)), nprocs=3)
+    mp.spawn(_ray_helpers.wire_member, args=(free_port(), str(tmp_path)), nprocs=3)
     sent = load_file(str(tmp_path / "sent.safetensors"))
     for rank in (1, 2):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
@@ -230,7 +233,7 @@ def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):  # 
     over = [f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=1", "rollout.G=2",
             "rollout.max_new_tokens=2", "replay.enabled=false", "train.steps=1", "log.progress=false",
             "train.device=cpu", f"checkpoint.out_dir={tmp_path / 'run'}"]
-    code = ("import sys\nfrom keye.train.rlep import RLEPConfig, train\nfrom keye.train.config import load_config\n"
+    code = ("import sys\nfrom keye.recipes.rlep import RLEPConfig, train\nfrom keye.train.config import load_config\n"
             f"s = train(load_config(RLEPConfig, None, {over!r}))\nassert s['finished']\n"
             "print('ray modules:', sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KEYE_LOG_LEVEL": "WARNING"}
@@ -337,8 +340,9 @@ def test_ray_run_resumes_exactly(ray_cluster, reference, one_actor_run, tiny_ckp
 
 @pytest.mark.slow
 def test_reward_workers_that_die_or_hang_are_replaced(ray_cluster, tmp_path):
-    from keye.rl.ray_engine import EventLog, RaySession, RayWorkerError, RemoteScorer
-    from keye.train.rlep import RaySection
+    from keye.rl.distributed.ray_session import EventLog, RaySession, RayWorkerError
+    from keye.rl.distributed.reward_workers import RemoteScorer
+    from keye.rl.config import RaySection
 
     prompt = RLPrompt("q", [{"role": "user", "content": "x"}])
     texts = ["alpha", "b", "gamma ray", "delta", "", "epsilon zeta"]
@@ -400,7 +404,7 @@ def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt,
 
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     killer.start()
-    with caplog.at_level(logging.INFO, logger="keye.rl.ray_engine"):
+    with caplog.at_level(logging.INFO, logger="keye.rl.distributed"):
         got = train(_cfg(tiny_ckpt, rl_set, run, *base, "rl.ray.weight_sync=broadcast"))
     killer.join(timeout=5)
     assert killed, "rollout worker 1 was not killed during the run"
@@ -420,7 +424,7 @@ def test_autothink_on_ray_equals_one_process(ray_cluster, tiny_ckpt, at_set, tmp
     """``algorithm.autothink`` on the synchronous Ray engine: the linked auto / /think / /no_think groups are
     sampled by the rollout actor, scored by the reward actor and trained by the learner actor, with the same
     samples, mode-selection rewards, recorded groups and final weights as the in-process run."""
-    from keye.rl.autothink import GroupLog
+    from keye.rl.algorithms.autothink import GroupLog
 
     extra = ("train.steps=2", "algorithm.mini_batches=2", "reward.spec={rewards: [accuracy, format]}")
     ref = train(_at_cfg(tiny_ckpt, at_set, tmp_path / "ref", *extra))

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.replay import ReplayEntry, ReplayPool, collect, replay_samples
-from keye.rl.rollout import PromptInputs, RLPrompt, RolloutSample
-from keye.rl.scoring import Scores
+from keye.rl.algorithms.replay import ReplayEntry, ReplayPool, replay_samples
+from keye.rl.loop.collect import collect
+from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
+from keye.rl.rollout.scoring import Scores
 
 EOS = 99
 
@@ -173,7 +174,7 @@ def test_collect_to_file_from_a_checkpoint_and_manifest(tmp_path):
         ok = [i % 2 == 0 for i in range(len(samples))]
         return Scores([1.0 if x else 0.0 for x in ok], ok)
 
-    from keye.rl.replay import collect_to_file
+    from keye.rl.loop.collect import collect_to_file
 
     stats = collect_to_file(policy, data, tmp_path / "pool.jsonl", n=4, max_new_tokens=4, scorer=every_other,
                             batch_prompts=1)
@@ -186,7 +187,7 @@ def test_collect_to_file_from_a_checkpoint_and_manifest(tmp_path):
 
 
 def test_collect_to_file_accepts_the_embedded_default(tmp_path):
-    from keye.rl.replay import collect_to_file
+    from keye.rl.loop.collect import collect_to_file
 
     data = tmp_path / "rl.jsonl"
     data.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "How many shapes? Answer with a number."}],
@@ -201,7 +202,7 @@ def test_truncated_replay_rows_are_scored_on_the_trained_tokens():
     reward must judge exactly those ids (decoded), not the stored full text: a numeric answer cut in half
     is not a verified success any more, while an entry within the limit keeps its stored text."""
     from keye.rewards import RewardSpec
-    from keye.rl.scoring import RewardScorer
+    from keye.rl.rollout.scoring import RewardScorer
 
     enc = lambda s: [ord(c) for c in s]  # noqa: E731 - a stand-in tokenizer (one id per character)
     dec = lambda ids: "".join(chr(i) for i in ids if i != EOS)  # noqa: E731 - its inverse (EOS is special)

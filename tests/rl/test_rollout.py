@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.logprobs import token_logprobs
-from keye.rl.rollout import LocalRollout, RLPrompt, VLLMRollout, collate_prompts, collate_samples, split_batch
+from keye.train.logprobs import token_logprobs
+from keye.rl.rollout.engines import LocalRollout, VLLMRollout
+from keye.rl.rollout.samples import RLPrompt, collate_prompts, collate_samples, split_batch
 from tests.rl.conftest import image
 
 # a third of the ordinary vocabulary stops generation, so rows end at different lengths

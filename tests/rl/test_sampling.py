@@ -10,8 +10,8 @@ import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.processing.chat import apply_mode
-from keye.rl.rollout import PromptInputs, RLPrompt, RolloutSample
-from keye.rl.sampling import (
+from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
+from keye.rl.algorithms.sampling import (
     ModeMix,
     dynamic_sample,
     filter_prompts,
@@ -19,7 +19,7 @@ from keye.rl.sampling import (
     group_signal,
     is_informative,
 )
-from keye.rl.scoring import Scores
+from keye.rl.rollout.scoring import Scores
 
 
 @dataclass

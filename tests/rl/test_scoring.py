@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from keye.rewards import RewardSpec
-from keye.rl.rollout import PromptInputs, RLPrompt, RolloutSample
-from keye.rl.scoring import RewardScorer
+from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
+from keye.rl.rollout.scoring import RewardScorer
 
 
 def _sample(prompt, text, valid=True):

@@ -1,4 +1,4 @@
-"""keye.rl.simulate: the discrete-event model of synchronous vs asynchronous RL on a cluster.
+"""keye.rl.distributed.simulate: the discrete-event model of synchronous vs asynchronous RL on a cluster.
 
 Checks: the synchronous throughput against the closed form for constant lengths; constant lengths with
 free sync and no fixed costs leave nothing to overlap (async / sync = 1); long-tailed lengths make async
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from keye.errors import KeyeConfigError
-from keye.rl.simulate import ClusterConfig, ceiling, compare, simulate
+from keye.rl.distributed.simulate import ClusterConfig, ceiling, compare, simulate
 
 SMALL = ClusterConfig(n_gpus=8, batch_prompts=8, group_size=4, steps=6, warmup_steps=1, length_mu=4.0,
                       length_sigma=1.0, max_tokens=512, prompt_tokens=32, max_concurrent=4, decode_step_s=0.01,

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from keye.errors import KeyeInputError
-from keye.rl.logprobs import model_inputs, token_logprobs
-from keye.rl.rollout import RLPrompt, RolloutSample, collate_samples, split_batch
-from keye.rl.rollout_manager import Finished, TokenChunk
-from keye.rl.stream_worker import AnswerLengths, StreamWorker, WorkerFailed
-from keye.rl.trajectory import Request
+from keye.train.logprobs import model_inputs, token_logprobs
+from keye.rl.rollout.samples import RLPrompt, RolloutSample, collate_samples, split_batch
+from keye.rl.distributed.rollout_manager import Finished, TokenChunk
+from keye.rl.distributed.stream_worker import AnswerLengths, StreamWorker, WorkerFailed
+from keye.rl.distributed.trajectory import Request
 from keye.testing.model import make_tiny_model
 from tests.rl.conftest import image
 
@@ -63,7 +63,7 @@ class _Answers:
 
 
 def _full_logp(model, processor, messages, answer: list[int], temperature: float) -> torch.Tensor:
-    """Log-probs of ``answer`` after the prompt from one training forward (keye.rl.logprobs)."""
+    """Log-probs of ``answer`` after the prompt from one training forward (keye.train.logprobs)."""
     inputs = split_batch(processor([messages], return_tensors="pt"), processor.image_token_id,
                          processor.video_token_id)[0]
     s = RolloutSample(prompt=RLPrompt("q", messages), group=0, inputs=inputs,

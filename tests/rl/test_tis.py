@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.losses import policy_loss
+from keye.rl.algorithms.losses import policy_loss
 
 
 def _batch(seed: int = 0, b: int = 3, t: int = 5):

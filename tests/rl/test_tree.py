@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from keye.errors import KeyeInputError
-from keye.rl.tree import (
+from keye.train.tree import (
     VisionInputs,
     branch_logprobs,
     build_group_tree,
@@ -19,7 +19,7 @@ from keye.rl.tree import (
     sequence_logprobs,
     tree_logprobs,
 )
-from keye.rl.tree_attention import TreeAttention, reference_tree_attention
+from keye.train.tree_attention import TreeAttention, reference_tree_attention
 from keye.testing.model import make_tiny_model
 
 BOS, VS, VE, IMG, VID = 480, 489, 490, 492, 493

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from keye.errors import KeyeInputError
-from keye.rl.replay import ReplayEntry, ReplayPool, add_replay
-from keye.rl.rollout import LocalRollout, PromptInputs, RLPrompt, RolloutSample
-from keye.rl.update import accumulate_policy_gradients, assign_advantages, fill_logprobs
+from keye.rl.algorithms.replay import ReplayEntry, ReplayPool, add_replay
+from keye.rl.rollout.engines import LocalRollout
+from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
+from keye.rl.algorithms.update import accumulate_policy_gradients, assign_advantages, fill_logprobs
 from tests.rl.conftest import image
 
 EPS = 1e-6

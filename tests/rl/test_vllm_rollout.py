@@ -18,8 +18,9 @@ from PIL import Image
 from keye import KeyeVL
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.processing.processor import KeyeProcessor
-from keye.rl.logprobs import token_logprobs
-from keye.rl.rollout import LocalRollout, RLPrompt, VLLMRollout, collate_samples
+from keye.train.logprobs import token_logprobs
+from keye.rl.rollout.engines import LocalRollout, VLLMRollout
+from keye.rl.rollout.samples import RLPrompt, collate_samples
 from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_test_video, make_tiny_processor_dir
 from tests.rl.conftest import image

@@ -21,7 +21,8 @@ from _dist_sft import _jobs  # this script's folder is on sys.path; the same '--
 
 from keye.train import dist as kdist
 from keye.train.config import load_config
-from keye.train.rlep import RLEPConfig, train
+from keye.rl.config import RLEPConfig
+from keye.recipes.rlep import train
 
 if __name__ == "__main__":
     jobs = _jobs(sys.argv[1:])

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from keye.train import dist as kdist
 from keye.train.config import load_config
-from keye.train.sft import SFTConfig, train
+from keye.sft.config import SFTConfig
+from keye.recipes.sft import train
 
 
 def _jobs(argv: list[str]) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""A fixed RL batch trained by :class:`keye.rl.learner.Learner` for a few steps (used by test_rl_sharded.py).
+"""A fixed RL batch trained by :class:`keye.rl.learner.learner.Learner` for a few steps (used by test_rl_sharded.py).
 
 ``run(...)`` works in one process and under torchrun: every rank builds the same samples (seeded rollouts of
 the same checkpoint, replayed answers included), keeps its share of the groups (rank 0 most of them, so the
@@ -49,7 +49,7 @@ def run(out_dir: Path, ckpt: Path, manifest: Path, pool: Path, name: str, overri
     """Train the fixed batch with ``overrides`` on top of :data:`BASE`; see the module docstring."""
     from keye.rl import assign_advantages
     from keye.rl.config import RLEPConfig, policy_loss_kwargs
-    from keye.rl.learner import Learner
+    from keye.rl.learner.learner import Learner
     from keye.train import dist as kdist
     from keye.train.config import load_config
 

@@ -23,13 +23,9 @@ from keye.rl import (
 )
 from keye.train import dist as kdist
 from keye.train.config import load_config
-from keye.train.rlep import (
-    PromptStream,
-    RLEPConfig,
-    train,
-    tree_enabled,
-    validate,
-)
+from keye.rl.loop.state import PromptStream
+from keye.rl.config import RLEPConfig, tree_enabled, validate
+from keye.recipes.rlep import train
 from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +124,7 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set, tmp_path):
     """The learner's tree passes give the core's old log-probs and exactly its gradients (mixed-sign
     advantages, replay rows, a missing replay slot, a response with a sampled vision placeholder id)."""
     from keye.processing.processor import KeyeProcessor
-    from keye.rl.learner import Learner
+    from keye.rl.learner.learner import Learner
 
     torch.manual_seed(0)
     cfg = _cfg(tiny_ckpt, rl_set, tmp_path, "tree.groups_per_micro_batch=2", "algorithm.eps_low=0.2",
@@ -216,7 +212,7 @@ def test_short_rlep_run_replays_logs_evaluates_and_exports(tiny_ckpt, rl_set, tm
 def test_held_out_accuracy_greedy_and_sampled(tiny_ckpt, rl_set):
     from keye.processing.processor import KeyeProcessor
     from keye.rl import load_rl_prompts
-    from keye.train.rlep import greedy_accuracy
+    from keye.rl.loop.evaluate import greedy_accuracy
 
     model = KeyeVL.from_pretrained(tiny_ckpt)
     proc = KeyeProcessor.from_pretrained(tiny_ckpt)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from keye import KeyeVL
-from keye.train.rlep import train
+from keye.recipes.rlep import train
 from tests.torchrun import failure_report, job_args, torchrun
 from tests.train import _fake_vllm
 from tests.train._fake_vllm import fingerprint

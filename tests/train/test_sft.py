@@ -11,7 +11,9 @@ import torch
 from keye import KeyeProcessor, KeyeVL
 from keye.errors import KeyeConfigError
 from keye.train.config import dump_config, load_config
-from keye.train.sft import SFTConfig, lr_lambda, train
+from keye.sft.config import SFTConfig
+from keye.train.optim import lr_lambda
+from keye.recipes.sft import train
 from tests.conftest import TORCH_THREADS
 from tests.torchrun import job_args, torchrun
 

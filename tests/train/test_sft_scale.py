@@ -18,7 +18,8 @@ from keye.model.weights import iter_tensors
 from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_tiny_processor_dir
 from keye.train.config import load_config
-from keye.train.sft import SFTConfig, train
+from keye.sft.config import SFTConfig
+from keye.recipes.sft import train
 from tests.torchrun import job_args, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -263,7 +264,7 @@ def test_deepspeed_config_resolves_auto_precision(tmp_path):
     """The shipped ZeRO configs say ``"bf16": {"enabled": "auto"}``, an HF-Trainer convention DeepSpeed itself
     reads as *disabled* (no bf16 engine, no float32 masters, for a bf16 model). The recipe resolves it from
     the model dtype; it drops the section on CPU; accumulation and clipping follow the recipe."""
-    from keye.train.sft import deepspeed_config
+    from keye.sft.step import deepspeed_config
 
     cfg = load_config(SFTConfig, None, ["train.strategy=zero3", "data.micro_batches=4", "train.grad_clip=0.5",
                                         f"train.deepspeed_config={REPO / 'training/deepspeed/zero3.json'}"])

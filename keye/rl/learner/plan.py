@@ -1,0 +1,589 @@
+"""Per-GPU memory plan of an RL run: the learner (policy, reference, optimizer, activations, log-prob chunks)
+and the rollout engine (weights, KV cache), for a model config, a GPU count and a batch.
+
+Every number is computed, none is looked up: parameter counts come from the real module shapes (the
+model is built on the meta device), activation bytes from a per-layer count of the tensors autograd saves
+in :mod:`keye.model` (see ``docs/rl_memory.md`` for the formulas and what they leave out). The tests in
+``tests/rl/test_plan.py`` check the parameter, gradient and optimizer bytes exactly, the FSDP2 shards per
+rank, and the activation and log-prob chunk bytes against tensors measured on CPU.
+
+Usage::
+
+    from keye.rl.learner.plan import plan_memory
+    plan = plan_memory(config, world_size=8, strategy="fsdp2", dtype="bfloat16", micro_batch_tokens=20480,
+                       micro_batch_sequences=4, gradient_checkpointing=True,
+                       rollout={"engine": "vllm", "colocated": True, "gpu_memory_utilization": 0.45,
+                                "max_num_seqs": 256, "max_model_len": 5120})
+    print(plan.fits, plan.reason)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from keye.config import KeyeVLConfig
+from keye.errors import KeyeConfigError
+
+GiB = 1024**3
+STRATEGIES = ("fsdp2", "zero3", "ddp")
+REF_MODES = ("sharded", "cpu", "none")
+ENGINES = ("vllm", "keye")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_FP32 = 4  # RMSNorm / RoPE / softmax statistics are kept in float32 whatever the model dtype
+
+# Bytes kept per element by AdamW: exp_avg and exp_avg_sq, in the dtype of the parameter it updates.
+_ADAMW_STATES = 2
+
+# The log-softmax chunk holds two float32 [chunk, vocab] buffers at its peak, in the forward (log-probabilities and
+# probabilities for the entropy) and in the recomputing backward (the saved log-probabilities and the logits'
+# gradient): autograd frees each buffer as soon as its consumer has run. Counted from
+# keye.train.logprobs._chunk_stats and measured on CPU by tests/rl/test_plan.py.
+_CHUNK_F32_BUFFERS = 2
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of ``float32`` / ``bfloat16`` / ``float16`` (names or torch dtypes)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise KeyeConfigError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+    return _DTYPE_BYTES[name]
+
+
+# ----------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of one model, from its real module shapes.
+
+    Attributes:
+        shapes: ``(name, shape, trainable)`` of every unique parameter (a tied weight counted once).
+        towers: parameters per tower (``vision``, ``projector``, ``llm``).
+        decoder_layer / vision_layer: parameters of the largest decoder / vision encoder layer (FSDP2
+            shards each of these as its own unit).
+        root: parameters outside those layers (embeddings, ``lm_head``, final norms, projector, vision
+            embeddings): FSDP2's root unit.
+    """
+
+    shapes: tuple[tuple[str, tuple[int, ...], bool], ...]
+    towers: Mapping[str, int]
+    decoder_layer: int
+    vision_layer: int
+    root: int
+    root_trainable: int
+
+    @property
+    def total(self) -> int:
+        """All unique parameters."""
+        return sum(math.prod(s) for _, s, _ in self.shapes)
+
+    @property
+    def trainable(self) -> int:
+        """Parameters that receive gradients and optimizer state."""
+        return sum(math.prod(s) for _, s, t in self.shapes if t)
+
+    def sharded(self, world_size: int, *, trainable_only: bool = False) -> int:
+        """Elements one rank holds when every parameter is split on dim 0 into ``world_size`` equal chunks
+        (FSDP2's layout: ``ceil(dim0 / world)`` rows per rank, the last ranks' chunks padded)."""
+        if world_size < 1:
+            raise KeyeConfigError(f"world_size must be >= 1, got {world_size}")
+        n = 0
+        for _, shape, trainable in self.shapes:
+            if trainable_only and not trainable:
+                continue
+            rows = -(-shape[0] // world_size) if shape else 1
+            n += rows * math.prod(shape[1:])
+        return n
+
+    def flat_sharded(self, world_size: int, *, trainable_only: bool = False) -> int:
+        """Elements one rank holds when each parameter is flattened and split into ``world_size`` equal
+        pieces (DeepSpeed ZeRO-3's partitions: ``ceil(numel / world)``)."""
+        return sum(-(-math.prod(s) // world_size) for _, s, t in self.shapes if t or not trainable_only)
+
+
+def count_parameters(config: KeyeVLConfig, frozen: Sequence[str] = ()) -> ParamCounts:
+    """Count the parameters of ``KeyeVL(config)`` by building it on the meta device (no memory, exact shapes).
+
+    Args:
+        config: the model config (e.g. ``KeyeVLConfig.from_json_file("config.json")``).
+        frozen: towers without gradients (``vision``, ``projector``, ``llm``), as ``train.stage`` sets them.
+    """
+    from keye.model.keye_vl import KeyeVL
+    from keye.train.optim import TOWERS, tower_of
+
+    bad = sorted(set(frozen) - set(TOWERS))
+    if bad:
+        raise KeyeConfigError(f"frozen has unknown tower(s) {bad}; use {sorted(TOWERS)}")
+    with torch.device("meta"):
+        model = KeyeVL(config)
+    shapes, towers, seen = [], dict.fromkeys(TOWERS, 0), set()
+    for name, p in model.named_parameters():  # named_parameters() yields a tied weight once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        tower = tower_of(name)
+        towers[tower] += p.numel()
+        shapes.append((name, tuple(p.shape), tower not in frozen))
+
+    def unit(layers) -> int:
+        return max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+
+    in_layers = {id(p) for m in (model.model.layers, model.visual.vision_model.encoder.layers) for p in m.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
+    return ParamCounts(
+        shapes=tuple(shapes),
+        towers=towers,
+        decoder_layer=unit(model.model.layers),
+        vision_layer=unit(model.visual.vision_model.encoder.layers),
+        root=sum(p.numel() for _, p in root),
+        root_trainable=sum(p.numel() for n, p in root if tower_of(n) not in frozen),
+    )
+
+
+# ---------------------------------------------------------------------------------------- activations
+def decoder_layer_bytes_per_token(config: KeyeVLConfig, dtype: str) -> int:
+    """Bytes autograd saves per token in one decoder layer (``keye.model.text.DecoderLayer``, SDPA path).
+
+    Two RMSNorms (float32 input, normalised value, the output the next Linear saves: ``4D + 2bD`` each, plus
+    a float32 ``rsqrt`` per row), q and k through their per-head RMSNorm (float32 input + normalised value:
+    ``(4 + b)(Q + K)``, RoPE's multiplications save only the shared cos/sin), the rotated q and the
+    GQA-repeated k and v that SDPA saves with its output (``4bQ``, the output is also what ``o_proj`` saves:
+    SDPA returns it in ``[B, L, H, d]`` layout) and the float32 log-sum-exp per head, and the SwiGLU MLP
+    (gate, silu(gate), up, product: ``4bF``).
+    """
+    t, b = config.text, dtype_bytes(dtype)
+    d, f, q, k = t.hidden_size, t.intermediate_size, t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    norms = 2 * (_FP32 * d + 2 * b * d)
+    rows = _FP32 * (2 + t.num_attention_heads + t.num_key_value_heads)
+    qk = (_FP32 + b) * (q + k)
+    attn = 4 * b * q + _FP32 * t.num_attention_heads
+    return norms + rows + qk + attn + 4 * b * f
+
+
+def vision_layer_bytes_per_patch(config: KeyeVLConfig, dtype: str) -> int:
+    """Bytes autograd saves per patch in one vision encoder layer (``keye.model.vision.VisionEncoderLayer``).
+
+    Two LayerNorms (input + output, float32 mean / rstd: ``2bD + 8`` each), the three SDPA inputs gathered per
+    segment group (``3bD`` and the int64 gather index; RoPE's multiplications save only the shared cos/sin),
+    the attention output and the buffer ``out_proj`` saves (``2bD``) with the float32 log-sum-exp per head,
+    and the MLP (fc1 output, GELU output: ``2bF``).
+    """
+    v, b = config.vision, dtype_bytes(dtype)
+    d, f = v.hidden_size, v.intermediate_size
+    return 2 * (2 * b * d + 2 * _FP32) + 3 * b * d + 8 + 2 * b * d + _FP32 * v.num_attention_heads + 2 * b * f
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch's forward + backward on one rank (see :func:`activation_bytes`)."""
+
+    saved: int  # held from the end of the forward until the backward reaches each layer
+    backward_peak: int  # the peak during the backward: saved + the largest recompute / gradient working set
+    decoder_saved: int
+    vision_saved: int
+    mask_saved: int
+    other_saved: int
+
+
+def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences: int = 1, vision_patches: int = 0,
+                     response_tokens: int | None = None, padded: bool = True,
+                     gradient_checkpointing: bool = False, vision_frozen: bool = False) -> Activations:
+    """Activation memory of one training forward + backward (``KeyeVL.forward`` with the hidden states of
+    ``response_tokens`` gathered for the chunked log-probs, as :func:`keye.train.logprobs.token_logprobs` does).
+
+    Args:
+        tokens: decoder tokens of the micro-batch (``sequences x`` padded length for padded batches).
+        sequences: rows of the padded batch (the SDPA mask is ``[rows, 1, L, L]`` in the model dtype).
+        vision_patches: patches through the vision tower (4 per merged visual token).
+        response_tokens: tokens whose log-probs are taken (default: all ``tokens``).
+        padded: the batch has padding, so SDPA receives (and saves) a dense mask per layer.
+        gradient_checkpointing: each layer keeps only its input; the backward recomputes one layer at a time.
+        vision_frozen: the vision tower has no trainable parameter, so it saves nothing (the projector still does).
+
+    Without checkpointing every layer's saved tensors are alive at the end of the forward; with it, each
+    layer keeps its input (``bD`` per token, ``bDv`` per patch) and one layer's full set is rebuilt during the
+    backward. The backward peak adds the gradient buffers of one layer's backward: the residual stream's
+    gradient in and out and two MLP-wide gradients (``2bD + 2bF`` per token, ``2bDv + 2bFv`` per patch; the
+    MLP's saved inputs are released as its gradients appear, so no more are alive together).
+    """
+    if tokens < 0 or sequences < 1 or vision_patches < 0:
+        raise KeyeConfigError(f"tokens, vision_patches must be >= 0 and sequences >= 1, got {tokens}, "
+                              f"{vision_patches}, {sequences}")
+    t, v, b = config.text, config.vision, dtype_bytes(dtype)
+    resp = tokens if response_tokens is None else response_tokens
+    length = -(-tokens // sequences)
+    dec_layer = decoder_layer_bytes_per_token(config, dtype) * tokens
+    vis_layer = vision_layer_bytes_per_patch(config, dtype) * vision_patches
+    mask_layer = sequences * length * length * b if padded else 0
+    # once per forward: token ids (int64) and the placeholder mask of the embedding, cos/sin, final norm and its
+    # output (kept by the hidden states), the gathered response rows; vision: pixels, float32 cos/sin, the
+    # post-layernorm and the projector (pre-norm input + output, linear_1 output, GELU output per merged token)
+    per_token = 8 + 1 + 2 * b * t.head_dim + (_FP32 + 2 * b) * t.hidden_size + _FP32
+    m2 = v.spatial_merge_size**2
+    per_patch = 4 * b * v.hidden_size + (2 * _FP32) / m2
+    if vision_frozen:
+        vis_layer = 0
+    else:
+        per_patch += b * v.num_channels * v.patch_size**2 + 2 * _FP32 * v.head_dim + b * v.hidden_size + 2 * _FP32
+    other = int(per_token * tokens + b * t.hidden_size * resp + per_patch * vision_patches)
+    n_dec, n_vis = t.num_hidden_layers, v.num_hidden_layers
+    grads = (2 * b * t.hidden_size + 2 * b * t.intermediate_size) * tokens
+    if not vision_frozen:
+        grads += (2 * b * v.hidden_size + 2 * b * v.intermediate_size) * vision_patches
+    if gradient_checkpointing:
+        dec = n_dec * b * t.hidden_size * tokens
+        vis = 0 if vision_frozen else n_vis * b * v.hidden_size * vision_patches
+        saved = dec + vis + other
+        recompute = max(dec_layer + mask_layer, vis_layer)
+        return Activations(saved=saved, backward_peak=saved + recompute + grads, decoder_saved=dec,
+                           vision_saved=vis, mask_saved=0, other_saved=other)
+    dec, vis, mask = n_dec * dec_layer, n_vis * vis_layer, n_dec * mask_layer
+    saved = dec + vis + mask + other
+    return Activations(saved=saved, backward_peak=saved + grads, decoder_saved=dec, vision_saved=vis,
+                       mask_saved=mask, other_saved=other)
+
+
+def logprob_chunk_bytes(config: KeyeVLConfig, *, dtype: str, chunk: int | None, response_tokens: int) -> int:
+    """Peak bytes of the chunked log-softmax over the vocabulary (:func:`keye.train.logprobs.chunked_token_logprobs`).
+
+    ``rows x vocab x 4 x 2`` with ``rows = min(chunk, responses)`` (two float32 buffers of one chunk), plus,
+    when there is more than one chunk, the chunk's ``lm_head`` weight gradient (``vocab x D x b``) that
+    exists before it is added to the accumulated one. ``chunk=None`` is one chunk of all response rows.
+    """
+    rows = response_tokens if chunk is None else min(chunk, response_tokens)
+    t = config.text
+    head_grad = t.vocab_size * t.hidden_size * dtype_bytes(dtype) if rows < response_tokens else 0
+    return rows * t.vocab_size * _FP32 * _CHUNK_F32_BUFFERS + head_grad
+
+
+# ------------------------------------------------------------------------------------------------- plan
+@dataclass
+class Item:
+    """One line of the plan: ``bytes`` on one GPU, in ``phase`` (``learner``, ``rollout`` or ``both``)."""
+
+    name: str
+    bytes: int
+    phase: str
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU memory of an RL step on one learner rank (and on a rollout GPU when not colocated).
+
+    Attributes:
+        items: every line item, bytes per GPU.
+        learner_bytes: peak of the learner phase (old/ref log-probs, the update, the optimizer step).
+        rollout_bytes: peak of the rollout phase on a learner GPU when colocated, else on a rollout GPU.
+        peak_bytes: the larger of the two on the GPU that holds the learner (colocated) or the larger
+            requirement of either GPU kind (separate).
+        fits: every phase fits ``gpu_bytes`` and the rollout engine can hold one full-length sequence.
+        reason: why it fits or not, with the margin in GiB.
+        host_items: CPU memory per node (reference offload, sleeping vLLM weights).
+        params: the parameter counts the plan used.
+        kv: rollout KV-cache facts (bytes per token, tokens the budget holds, full-length sequences).
+    """
+
+    items: list[Item]
+    learner_bytes: int
+    rollout_bytes: int
+    peak_bytes: int
+    gpu_bytes: int
+    fits: bool
+    reason: str
+    host_items: list[Item] = field(default_factory=list)
+    params: ParamCounts | None = None
+    kv: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def item(self, name: str) -> int:
+        """Bytes of the item called ``name`` (KeyError if absent)."""
+        for it in self.items:
+            if it.name == name:
+                return it.bytes
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (bytes as integers, plus GiB for reading)."""
+        def row(it: Item) -> dict[str, Any]:
+            return {"name": it.name, "bytes": it.bytes, "gib": round(it.bytes / GiB, 3), "phase": it.phase, "note": it.note}
+
+        out = {k: getattr(self, k) for k in ("learner_bytes", "rollout_bytes", "peak_bytes", "gpu_bytes", "fits", "reason")}
+        out.update(items=[row(i) for i in self.items], host_items=[row(i) for i in self.host_items],
+                   kv=dict(self.kv), settings=dict(self.settings))
+        if self.params is not None:
+            out["params"] = {"total": self.params.total, "trainable": self.params.trainable, **dict(self.params.towers)}
+        return out
+
+    def table(self) -> str:
+        """The plan as a fixed-width text table (GiB per GPU)."""
+        s = self.settings
+        lines = [f"memory plan: {s.get('model', '?')}, {s.get('world_size')} GPU(s) x {self.gpu_bytes / GiB:.0f} GiB, "
+                 f"strategy {s.get('strategy')}, {s.get('dtype')}, rollout {s.get('engine')} "
+                 f"({'colocated' if s.get('colocated') else 'separate GPUs'})"]
+        if self.params is not None:
+            lines.append(f"parameters: {self.params.total / 1e9:.3f} B total, {self.params.trainable / 1e9:.3f} B trainable")
+        lines.append(f"{'item':<50}{'phase':<9}{'GiB/GPU':>9}  note")
+        for it in self.items:
+            lines.append(f"{it.name:<50}{it.phase:<9}{it.bytes / GiB:>9.2f}  {it.note}")
+        lines.append(f"{'learner phase peak':<59}{self.learner_bytes / GiB:>9.2f}")
+        lines.append(f"{'rollout phase peak':<59}{self.rollout_bytes / GiB:>9.2f}")
+        for it in self.host_items:
+            lines.append(f"host (CPU) memory per node: {it.name}: {it.bytes / GiB:.1f} GiB {it.note}".rstrip())
+        if self.kv:
+            lines.append(f"rollout KV cache: {self.kv['bytes_per_token'] / 1024:.0f} KiB/token, "
+                         f"{self.kv['tokens']:,} tokens = {self.kv['full_sequences']} sequences of {self.kv['max_model_len']} "
+                         f"tokens (max_num_seqs {self.kv['max_num_seqs']})")
+        lines.append(("FITS: " if self.fits else "DOES NOT FIT: ") + self.reason)
+        return "\n".join(lines)
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise KeyeConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+_ROLLOUT_DEFAULTS = {"engine": "vllm", "colocated": True, "gpu_memory_utilization": "auto", "max_num_seqs": 256,
+                     "max_model_len": 8192, "max_num_batched_tokens": 8192, "tensor_parallel_size": 1,
+                     "kv_cache_dtype": "auto", "gpus": None, "max_batch_size": 64}
+
+
+def plan_memory(
+    model_config: KeyeVLConfig,
+    *,
+    world_size: int,
+    strategy: str = "fsdp2",
+    dtype: str = "bfloat16",
+    optimizer: str = "adamw",
+    master_weights: bool = False,
+    micro_batch_tokens: int,
+    micro_batch_sequences: int = 1,
+    vision_patches: int = 0,
+    response_tokens: int | None = None,
+    padded: bool = True,
+    gradient_checkpointing: bool = True,
+    logprob_chunk: int | None = 512,
+    ref: str = "none",
+    frozen: Sequence[str] = (),
+    rollout: Mapping[str, Any] | None = None,
+    gpu_memory_gb: float = 80.0,
+    overhead_gb: float = 1.0,
+    model_name: str = "",
+) -> MemoryPlan:
+    """Plan the per-GPU memory of an RL run (the learner phase and the rollout phase).
+
+    Args:
+        model_config: the model's config; parameters are counted from its real module shapes.
+        world_size: learner ranks (data-parallel / sharding degree).
+        strategy: ``fsdp2`` (parameters, gradients and optimizer states sharded per parameter on dim 0),
+            ``zero3`` (DeepSpeed ZeRO-3: flat partitions, float32 master weights) or ``ddp`` (replicated).
+        dtype: parameter / activation dtype (``bfloat16``, ``float16``, ``float32``).
+        optimizer: ``adamw`` (two states per trainable element).
+        master_weights: keep float32 master weights (and float32 gradients and states) next to the
+            ``dtype`` compute copy; always on for ``zero3`` with a 16-bit dtype.
+        micro_batch_tokens / micro_batch_sequences / vision_patches / response_tokens / padded: one
+            micro-batch of the update on one rank (see :func:`activation_bytes`).
+        gradient_checkpointing: per-layer activation checkpointing in both towers.
+        logprob_chunk: rows per log-softmax chunk (None: unchunked, ``responses x vocab``).
+        ref: the reference model ``sharded`` like the policy, offloaded to ``cpu``, or ``none`` (kl_coef 0).
+        frozen: towers without gradients (``train.stage``).
+        rollout: ``engine`` (``vllm`` | ``keye``), ``colocated`` (vLLM sleeps during training, freeing its
+            weights and KV cache), ``gpu_memory_utilization``, ``max_num_seqs``, ``max_model_len``,
+            (a fraction, or ``auto``: what the learner leaves when colocated, 0.9 alone),
+            ``max_num_batched_tokens``, ``tensor_parallel_size``, ``kv_cache_dtype`` (``auto`` = ``dtype``,
+            or ``fp8``), ``gpus`` (rollout GPUs when separate), ``max_batch_size`` (keye engine).
+        gpu_memory_gb: memory of one GPU in GiB.
+        overhead_gb: CUDA context, NCCL and allocator slack per GPU in GiB (counted in every phase).
+    Returns:
+        :class:`MemoryPlan` with every item in bytes, the phase peaks and ``fits`` with a reason.
+    """
+    _check_choice("strategy", strategy, STRATEGIES)
+    _check_choice("optimizer", optimizer, ("adamw",))
+    _check_choice("ref", ref, REF_MODES)
+    if world_size < 1:
+        raise KeyeConfigError(f"world_size must be >= 1, got {world_size}")
+    if micro_batch_tokens < 1:
+        raise KeyeConfigError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    if logprob_chunk is not None and logprob_chunk < 1:
+        raise KeyeConfigError(f"logprob_chunk must be >= 1 or None, got {logprob_chunk}")
+    if gpu_memory_gb <= 0:
+        raise KeyeConfigError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb}")
+    unknown = sorted(set(rollout or {}) - set(_ROLLOUT_DEFAULTS))
+    if unknown:
+        raise KeyeConfigError(f"rollout has unknown key(s) {unknown}; known: {sorted(_ROLLOUT_DEFAULTS)}")
+    ro = {**_ROLLOUT_DEFAULTS, **(rollout or {})}
+    _check_choice("rollout.engine", ro["engine"], ENGINES)
+    if ro["gpu_memory_utilization"] != "auto" and not 0 < float(ro["gpu_memory_utilization"]) <= 1:
+        raise KeyeConfigError(f"rollout.gpu_memory_utilization must be in (0, 1] or 'auto', got {ro['gpu_memory_utilization']!r}")
+
+    b = dtype_bytes(dtype)
+    counts = count_parameters(model_config, frozen)
+    w = world_size
+    gpu = int(gpu_memory_gb * GiB)
+    overhead = int(overhead_gb * GiB)
+    master = master_weights or (strategy == "zero3" and b < _FP32)
+    state_b = _FP32 if master else b  # gradients and AdamW states follow the master copy's dtype
+    items: list[Item] = []
+    host: list[Item] = []
+
+    def add(name: str, n: int, phase: str, note: str = "") -> int:
+        items.append(Item(name, int(n), phase, note))
+        return int(n)
+
+    # ---- resident state: alive in both phases on a learner GPU
+    if strategy == "fsdp2":
+        shard, shard_t = counts.sharded(w), counts.sharded(w, trainable_only=True)
+        note = f"1/{w} of each parameter (dim-0 chunks)"
+    elif strategy == "zero3":
+        shard, shard_t = counts.flat_sharded(w), counts.flat_sharded(w, trainable_only=True)
+        note = f"1/{w} flat partitions"
+    else:
+        shard, shard_t = counts.total, counts.trainable
+        note = "full replica"
+    if strategy == "fsdp2" and master:
+        # FSDP2 mixed precision: the sharded parameter *is* the float32 master; compute copies are gathered in dtype
+        params = add("policy parameters (fp32 master shard)", _FP32 * shard, "both", note)
+    else:
+        params = add(f"policy parameters ({dtype})", b * shard, "both", note)
+        if master:
+            params += add("fp32 master weights", _FP32 * shard_t, "both", note)
+    optim = add("AdamW states (exp_avg, exp_avg_sq)", _ADAMW_STATES * state_b * shard_t, "both", note)
+    ref_bytes = 0
+    if ref == "sharded":
+        ref_n = counts.sharded(w) if strategy == "fsdp2" else counts.flat_sharded(w) if strategy == "zero3" else counts.total
+        ref_bytes = add(f"reference parameters ({dtype})", b * ref_n, "both", note)
+    elif ref == "cpu":
+        copies = w if strategy == "ddp" else 1  # sharded offload: the node's ranks hold one copy between them
+        host.append(Item("reference model offloaded", b * counts.total * copies, "both",
+                         f"({copies} cop{'y' if copies == 1 else 'ies'})"))
+    ovh = add("CUDA context, NCCL, allocator slack", overhead, "both", "assumed")
+    resident = params + optim + ref_bytes + ovh
+    colocated = bool(ro["colocated"]) or ro["engine"] == "keye"
+
+    # ---- learner phase
+    grads = add("gradients", state_b * shard_t, "learner", note + "; freed after the optimizer step")
+    if strategy == "fsdp2":
+        unit = max(counts.decoder_layer, counts.vision_layer)
+        gathered = add("FSDP2 all-gathered params (root + 2 layers)", b * (counts.root + 2 * unit), "learner",
+                       "root unit stays gathered through forward+backward; one layer prefetched")
+        unsharded_grads = add("FSDP2 unsharded grads (root + 1 layer)", b * (counts.root_trainable + unit), "learner",
+                              "before reduce-scatter")
+        working = gathered + unsharded_grads
+    elif strategy == "zero3":
+        unit = max(counts.decoder_layer, counts.vision_layer, *(math.prod(s) for _, s, _ in counts.shapes))
+        working = add("ZeRO-3 gathered params + buckets (2 largest modules)", 2 * b * unit + 2 * b * unit, "learner",
+                      "gathered modules and reduce/prefetch buckets; bounded by stage3 bucket settings")
+    else:
+        working = 0
+    resp = micro_batch_tokens if response_tokens is None else response_tokens
+    act = activation_bytes(model_config, dtype=dtype, tokens=micro_batch_tokens, sequences=micro_batch_sequences,
+                           vision_patches=vision_patches, response_tokens=resp, padded=padded,
+                           gradient_checkpointing=gradient_checkpointing, vision_frozen="vision" in frozen)
+    ckpt = "with" if gradient_checkpointing else "without"
+    add(f"activations saved ({ckpt} checkpointing)", act.saved, "learner",
+        f"{micro_batch_tokens} tokens x {micro_batch_sequences} rows, {vision_patches} patches")
+    add("backward working set (recompute + grads)", act.backward_peak - act.saved, "learner")
+    chunk = add("log-prob chunk (chunk x vocab)", logprob_chunk_bytes(model_config, dtype=dtype, chunk=logprob_chunk,
+                                                                      response_tokens=resp),
+                "learner", f"chunk {logprob_chunk}, vocab {model_config.text.vocab_size}")
+    update_peak = resident + grads + working + act.backward_peak + chunk
+    # optimizer step: activations are gone; foreach AdamW makes one temporary the size of the states it updates,
+    # explicit data-parallel averaging one flat copy of the gradients
+    step_tmp = state_b * shard_t
+    step = add("optimizer step temporaries", step_tmp, "learner", "foreach AdamW / flat all-reduce; after the backward")
+    learner = max(update_peak, resident + grads + step)
+
+    # ---- rollout phase
+    t = model_config.text
+    tp = int(ro["tensor_parallel_size"])
+    kv_b = 1 if str(ro["kv_cache_dtype"]).startswith("fp8") else b
+    kv_per_token = 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * kv_b // tp
+    max_len, max_seqs = int(ro["max_model_len"]), int(ro["max_num_seqs"])
+    kv_info: dict[str, Any] = {"bytes_per_token": kv_per_token, "max_model_len": max_len, "max_num_seqs": max_seqs}
+    reasons: list[str] = []
+    if ro["engine"] == "vllm":
+        weights = b * counts.total // tp
+        util = ro["gpu_memory_utilization"]
+        if util == "auto":
+            # colocated: everything the learner keeps during the rollout is already on the GPU when vLLM starts,
+            # so it may take the rest (in steps of 0.05); alone on a GPU: vLLM's default
+            util = math.floor(20 * (gpu - resident) / gpu) / 20 if colocated else 0.9
+            if util <= 0:
+                raise KeyeConfigError(f"gpu_memory_utilization=auto: the learner's resident state "
+                                      f"({resident / GiB:.1f} GiB) leaves no room for vLLM on a {gpu_memory_gb:g} GiB GPU")
+        util = float(util)
+        ro["gpu_memory_utilization"] = util
+        budget = int(util * gpu)
+        # the forward of one scheduler step (max_num_batched_tokens through one layer at a time) and the
+        # sampler's float32 logits and probabilities of every running sequence
+        d, f = t.hidden_size, t.intermediate_size
+        q = t.num_attention_heads * t.head_dim
+        k = t.num_key_value_heads * t.head_dim
+        fwd = int(ro["max_num_batched_tokens"]) * b * (2 * d + 3 * f + q + 2 * k) // tp
+        sampler = max_seqs * t.vocab_size * 2 * _FP32
+        kv_tokens = max(0, (budget - weights - fwd - sampler) // kv_per_token)
+        kv_bytes = kv_tokens * kv_per_token
+        kv_info.update(tokens=int(kv_tokens), full_sequences=int(kv_tokens // max_len),
+                       wanted_tokens=max_len * max_seqs)
+        add(f"vLLM weights ({dtype}, tp {tp})", weights, "rollout", "freed by sleep() while training" if colocated else "")
+        add("vLLM forward + sampler buffers", fwd + sampler, "rollout",
+            f"{ro['max_num_batched_tokens']} batched tokens, {max_seqs} seqs x vocab fp32")
+        add("vLLM KV cache (rest of gpu_memory_utilization)", kv_bytes, "rollout",
+            f"2 x {t.num_hidden_layers} layers x {t.num_key_value_heads} kv heads x {t.head_dim} x {kv_b} B per token")
+        engine_bytes = max(budget, weights + fwd + sampler)
+        if budget < weights + fwd + sampler + max_len * kv_per_token:
+            reasons.append(f"vLLM budget {util:.2f} x {gpu_memory_gb:g} GiB = {budget / GiB:.1f} GiB cannot hold the "
+                           f"weights, buffers and one {max_len}-token sequence's KV cache "
+                           f"({(weights + fwd + sampler + max_len * kv_per_token) / GiB:.1f} GiB)")
+        if colocated:
+            host.append(Item("vLLM weights while asleep (level 1 offload)", weights * w, "learner",
+                             f"({w} engines)"))
+    else:
+        # the policy's own decode loop: the learner's parameters (gathered layer by layer when sharded), a KV
+        # cache of max_batch_size sequences of max_model_len in dtype, and the float32 logits of the batch
+        nb = int(ro["max_batch_size"])
+        kv_bytes = nb * max_len * (2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * b)
+        kv_info.update(tokens=nb * max_len, full_sequences=nb, wanted_tokens=nb * max_len)
+        add("keye decode KV cache", kv_bytes, "rollout", f"{nb} seqs x {max_len} tokens")
+        gathered_r = b * (counts.root + 2 * max(counts.decoder_layer, counts.vision_layer)) if strategy != "ddp" else 0
+        add("keye decode gathered params + logits", gathered_r + nb * t.vocab_size * _FP32 * 2, "rollout")
+        engine_bytes = kv_bytes + gathered_r + nb * t.vocab_size * _FP32 * 2
+    if colocated:
+        rollout_bytes = resident + engine_bytes
+        peak = max(learner, rollout_bytes)
+        rollout_gpu_note = ""
+    else:
+        rollout_bytes = engine_bytes + overhead
+        peak = max(learner, rollout_bytes)
+        rollout_gpu_note = f" (on {ro['gpus'] or '?'} separate rollout GPU(s))"
+
+    if learner > gpu:
+        reasons.append(f"learner phase needs {learner / GiB:.1f} GiB, {(learner - gpu) / GiB:.1f} GiB over {gpu_memory_gb:g} GiB")
+    if rollout_bytes > gpu:
+        reasons.append(f"rollout phase{rollout_gpu_note} needs {rollout_bytes / GiB:.1f} GiB, "
+                       f"{(rollout_bytes - gpu) / GiB:.1f} GiB over {gpu_memory_gb:g} GiB")
+    fits = not reasons
+    if fits:
+        reason = (f"learner {learner / GiB:.1f} GiB, rollout{rollout_gpu_note} {rollout_bytes / GiB:.1f} GiB of "
+                  f"{gpu_memory_gb:g} GiB; {(gpu - peak) / GiB:.1f} GiB to spare")
+        if ro["engine"] == "vllm" and kv_info["full_sequences"] < max_seqs:
+            reason += (f"; the KV cache holds {kv_info['full_sequences']} of max_num_seqs {max_seqs} full-length "
+                       "sequences (vLLM queues or preempts the rest)")
+    else:
+        reason = "; ".join(reasons)
+    settings = dict(model=model_name, world_size=w, strategy=strategy, dtype=dtype, master_weights=master,
+                    micro_batch_tokens=micro_batch_tokens, micro_batch_sequences=micro_batch_sequences,
+                    vision_patches=vision_patches, response_tokens=resp, gradient_checkpointing=gradient_checkpointing,
+                    logprob_chunk=logprob_chunk, ref=ref, frozen=list(frozen), gpu_memory_gb=gpu_memory_gb,
+                    colocated=colocated, **{k: v for k, v in ro.items() if k != "colocated"})
+    return MemoryPlan(items=items, learner_bytes=int(learner), rollout_bytes=int(rollout_bytes), peak_bytes=int(peak),
+                      gpu_bytes=gpu, fits=fits, reason=reason, host_items=host, params=counts, kv=kv_info,
+                      settings=settings)
+
+
+__all__ = ["ParamCounts", "count_parameters", "decoder_layer_bytes_per_token", "vision_layer_bytes_per_patch",
+           "Activations", "activation_bytes", "logprob_chunk_bytes", "Item", "MemoryPlan", "plan_memory",
+           "dtype_bytes", "GiB"]

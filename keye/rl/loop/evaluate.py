@@ -1,0 +1,138 @@
+"""Held-out evaluation of the RL recipe: :func:`greedy_accuracy` (greedy, optionally avg@k sampled, accuracy of
+a model on RL prompts) and :class:`Evaluator`, the recipe's periodic evaluation (refreshes the evaluation
+model from a sharded learner, appends to the eval curve, writes ``eval_curve.json`` and ``eval/*`` metrics).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keye.rl.config import reward_options
+from keye.rl.rollout.engines import load_weight_shards
+from keye.rl.rollout.masks import response_lengths
+from keye.rl.rollout.prompts import load_rl_prompts
+from keye.rl.rollout.samples import RLPrompt, RolloutSample, collate_prompts, split_batch
+from keye.rl.rollout.scoring import RewardScorer
+from keye.train import dist as kdist
+
+
+@torch.no_grad()
+def greedy_accuracy(model: Any, processor: Any, prompts: Sequence[RLPrompt], scorer: RewardScorer, *,
+                    max_new_tokens: int, batch_size: int, samples: int = 0, temperature: float = 1.0,
+                    seed: int = 0, per_prompt: bool = False) -> dict[str, Any]:
+    """Held-out accuracy: answers scored by the reward's accuracy part (``passed``).
+
+    With ``samples == 0`` one greedy answer per prompt (the official protocol). With ``samples = k > 0``
+    also ``k`` answers per prompt sampled at ``temperature`` (top-p 1, top-k 0: the policy's own
+    distribution, as in the rollouts), reported as ``sampled_accuracy`` = the mean over all ``k * n``
+    answers (avg@k, the quantity RL maximises). Sampling draws from a private generator seeded with
+    ``seed``, so every evaluation of a run uses the same random numbers (curves compare checkpoints, not
+    draws) and the training RNG stream is untouched.
+
+    Returns ``{"accuracy": fraction in [0, 1], "n": number of prompts}`` plus ``sampled_accuracy`` and
+    ``samples`` when ``samples > 0``, and with ``per_prompt`` a ``per_prompt`` mapping of prompt id to
+    ``[greedy passed (0/1), sampled answers passed, answers sampled]`` (for paired comparisons).
+    """
+    from keye.processing.chat import apply_mode
+    from keye.train.logprobs import model_inputs as vision_inputs
+
+    was_training = model.training
+    model.eval()
+    eos = list(model.config.eos_token_ids)
+    pad = int(processor.pad_token_id)
+    gen_rng = torch.Generator(device=model.device).manual_seed(seed)
+
+    table: dict[str, list[int]] = {p.id: [0, 0, 0] for p in prompts}
+
+    def answer(chunk: list[RLPrompt], sample: bool) -> int:
+        batch = processor([apply_mode(p.messages, p.mode) for p in chunk], return_tensors="pt")
+        inputs = split_batch(batch, processor.image_token_id, processor.video_token_id,
+                             processor.image_processor.config.merge_size)
+        gen = collate_prompts(inputs, pad)
+        kw: dict[str, Any] = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                                  generator=gen_rng) if sample else dict(do_sample=False)
+        seqs = model.generate(gen["input_ids"].to(model.device), gen["attention_mask"].to(model.device),
+                              max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw,
+                              **vision_inputs(gen, model.device, model.dtype))
+        new = seqs[:, gen["input_ids"].shape[1] :].cpu()
+        lengths = response_lengths(new, eos)
+        rows = [RolloutSample(prompt=p, group=j, inputs=inp, response_ids=row[:k].clone(),
+                              text=processor.decode(row[:k], skip_special_tokens=True), finished=True)
+                for j, (p, inp, row, k) in enumerate(zip(chunk, inputs, new, lengths.tolist()))]
+        passed = [bool(x) for x in scorer(rows).passed]
+        for p, ok in zip(chunk, passed):
+            if sample:
+                table[p.id][1] += ok
+                table[p.id][2] += 1
+            else:
+                table[p.id][0] = int(ok)
+        return sum(passed)
+
+    correct = sampled = 0
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = list(prompts[i : i + batch_size])
+            correct += answer(chunk, sample=False)
+            if samples > 0:  # each prompt repeated k times: the chunk's k * len(chunk) answers in one batch
+                sampled += answer([p for p in chunk for _ in range(samples)], sample=True)
+    finally:
+        model.train(was_training)
+    n = max(len(prompts), 1)
+    res: dict[str, Any] = {"accuracy": correct / n, "n": float(len(prompts))}
+    if samples > 0:
+        res.update(sampled_accuracy=sampled / (n * samples), samples=float(samples))
+    if per_prompt:
+        res["per_prompt"] = table
+    return res
+
+
+class Evaluator:
+    """The recipe's held-out evaluation: ``eval.limit`` prompts of ``eval.manifest`` (none: evaluation is off),
+    scored by the reward's accuracy part alone (same answer-checking options as training), generated by the
+    main rank with ``parts.eval_model``.
+
+    Args:
+        cfg: the :class:`keye.rl.config.RLEPConfig`.
+        parts: the run's :class:`keye.rl.loop.components.Components` (learner, rollout and eval models).
+        processor: the Keye processor.
+        info: this process's :class:`keye.train.dist.DistInfo`.
+        out_dir: the run directory (``eval_curve.json``).
+    """
+
+    def __init__(self, cfg: Any, parts: Any, processor: Any, info: Any, out_dir: Path):
+        from keye.rewards import RewardSpec
+
+        self.cfg, self.parts, self.processor, self.info, self.out_dir = cfg, parts, processor, info, out_dir
+        self.prompts: list[RLPrompt] = load_rl_prompts(cfg.eval.manifest)[: cfg.eval.limit] if cfg.eval.manifest else []
+        spec = RewardSpec.from_dict({"rewards": ["accuracy"], "options": reward_options(cfg.reward.spec)})
+        self.scorer = RewardScorer(spec, pass_value=cfg.reward.pass_value)
+
+    def run(self, step: int, state: dict[str, Any], log: Any) -> None:
+        """Evaluate the current policy as the result of ``step`` (collective: call on every rank).
+
+        Appends ``{"step": step, **result}`` to ``state["eval_curve"]`` (the same list on every rank afterwards),
+        writes it to ``eval_curve.json`` and the result as ``eval/*`` metrics through ``log`` (main rank)."""
+        if not self.prompts:
+            return
+        parts, cfg, info = self.parts, self.cfg, self.info
+        if parts.rollout_model is None:  # collective: every rank walks the shards, the main rank loads them
+            shards = parts.learner.export_weights(cfg.rollout.sync_bytes)
+            if info.is_main:
+                load_weight_shards(parts.eval_model, shards)
+            else:
+                for _ in shards:
+                    pass
+        if info.is_main:
+            e = cfg.eval
+            res = greedy_accuracy(parts.eval_model, self.processor, self.prompts, self.scorer,
+                                  max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, samples=e.samples,
+                                  temperature=e.temperature, seed=cfg.train.seed)
+            state["eval_curve"].append({"step": step, **res})
+            log.write(step, {f"eval/{k}": v for k, v in res.items()})
+            (self.out_dir / "eval_curve.json").write_text(json.dumps(state["eval_curve"], indent=2))
+        state["eval_curve"] = kdist.broadcast_object(state["eval_curve"])

@@ -1,0 +1,56 @@
+"""Config schema of the SFT recipe (``keye train sft``): its own ``data`` and ``train`` sections and
+:class:`SFTConfig`; ``model``, ``lora``, ``checkpoint`` and ``log`` are the shared sections of
+:mod:`keye.train.sections`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from keye.train.sections import CheckpointSection, LogSection, LoraSection, ModelSection, OptimSection
+
+
+@dataclass
+class DataSection:
+    """The training manifest and how it is cut into load-balanced micro-batches."""
+
+    manifest: str = "data/synth/train.jsonl"
+    root: str | None = None
+    batch_tokens: int | None = 4096  # token budget of one packed micro-batch row
+    batch_size: int | None = None  # or: samples per micro-batch (padded batches)
+    micro_batches: int = 1  # gradient accumulation steps per optimizer step
+    packing: bool = True
+    num_workers: int = 0
+    max_bad_fraction: float = 0.05
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainSection(OptimSection):
+    """The shared optimisation fields plus the SFT run length, the parallel strategy and the multi-answer layout."""
+
+    epochs: int = 1
+    max_steps: int | None = None
+    strategy: Literal["none", "ddp", "fsdp2", "zero2", "zero3"] = "none"
+    # Shared-prefix batches for multi-answer rows (keye.sft.trees). YAML 1.1 reads a bare on/off as a boolean,
+    # so true/false are accepted too and normalised to "on"/"off".
+    tree: Literal["auto", "on", "off"] | bool = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, bool):
+            self.tree = "on" if self.tree else "off"
+
+
+@dataclass
+class SFTConfig:
+    """The whole ``keye train sft`` config (YAML sections of the same names)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+
+__all__ = ["DataSection", "SFTConfig", "TrainSection"]
