@@ -87,7 +87,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -305,229 +305,318 @@ def _distinct_objects(rng: np.random.Generator, k: int, avoid: tuple[str, ...] =
     return list(zip(shapes, colors))
 
 
-def make_scene(rng: np.random.Generator, qtype: str, image: bool, detail_cut: bool = False) -> Scene:
-    """Draw one scene (video unless ``image``) with a question of type ``qtype``; see the module table
-    (``detail_cut``: the detail scene variant in which the tiny shape arrives with its distractors)."""
-    w, h = (int(rng.choice(SIDES)), int(rng.choice(SIDES)))
-    side = min(w, h)
-    fps = 0 if image else int(rng.choice(FPS_CHOICES))
-    duration = 0.0 if image else GRID * int(rng.integers(4, 17))  # 2 .. 8 s
+@dataclass
+class _Draft:
+    """A scene being drawn: its frame, the objects and events so far, and the draws they share. The
+    question builders below fill it in, each drawing from ``rng`` in its own fixed order (the set is
+    reproducible per seed, so that order must never change)."""
+
+    rng: np.random.Generator
+    image: bool
+    w: int
+    h: int
+    fps: int
+    duration: float
+    taken: list[tuple[float, float, float]] = field(default_factory=list)
+    objs: list[Obj] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def side(self) -> int:
+        return min(self.w, self.h)
+
     # Object radii span ~3-15% of the frame area. The large end matters for learning, not only for
     # variety: a from-scratch model first learns to look at objects on big ones and only then transfers
     # to small ones (with radii <= side/10 alone a tiny model never leaves the text-only prior).
-    r_lo, r_hi = side / 10, side / 4.5
-    r_crowd = side / 7  # scenes with up to 5 objects keep them small enough not to overlap
-    taken: list[tuple[float, float, float]] = []
-    objs: list[Obj] = []
-    events: list[dict[str, Any]] = []
-    choices: list[str] | None = None
-    tol: float | None = None
+    @property
+    def r_lo(self) -> float:
+        return self.side / 10
 
-    def static(shape: str, color: str, hi: float | None = None, lo: float | None = None, **kw: Any) -> Obj:
-        r = float(rng.uniform(lo or r_lo, hi or r_hi))
-        x, y = _free_pos(rng, w, h, r, taken)
+    @property
+    def r_hi(self) -> float:
+        return self.side / 4.5
+
+    @property
+    def r_crowd(self) -> float:
+        return self.side / 7  # scenes with up to 5 objects keep them small enough not to overlap
+
+    def static(self, shape: str, color: str, hi: float | None = None, lo: float | None = None,
+               **kw: Any) -> Obj:
+        """Add an object of random size at a free spot (``kw``: the :class:`Obj` timing fields)."""
+        r = float(self.rng.uniform(lo or self.r_lo, hi or self.r_hi))
+        x, y = _free_pos(self.rng, self.w, self.h, r, self.taken)
         o = Obj(shape, color, r, x, y, **kw)
-        objs.append(o)
+        self.objs.append(o)
         return o
 
-    if qtype in ("color", "shape"):
-        pairs = _distinct_objects(rng, int(rng.integers(1, 4)))
-        for s, c in pairs:
-            static(s, c)
-        s, c = pairs[0]
-        if qtype == "color":
-            choices, ans = _mc(rng, c, list(COLORS))
-            text = _mc_text(f"What colour is the {s}?", choices)
-        else:
-            choices, ans = _mc(rng, s, list(SHAPES))
-            text = _mc_text(f"What shape is the {c} object?", choices)
-        kind = "mc"
-    elif qtype == "count":
-        n = int(rng.integers(1, 6))
-        for _ in range(n):
-            s, c = str(rng.choice(SHAPES)), str(rng.choice(list(COLORS)))
-            if image:
-                static(s, c, hi=r_crowd)
-                continue
-            t_a = _grid_time(rng, 0, duration - 1.0)
-            t_v = _grid_time(rng, t_a + 1.0, duration) if rng.random() < 0.3 else math.inf
-            o = static(s, c, hi=r_crowd, t_appear=t_a, t_vanish=t_v if t_v < duration else math.inf)
-            events.append({"t": t_a, "event": "appear", "object": o.name})
-        ans, kind = str(n), "numeric"
-        text = (
-            "How many shapes are in the image?"
-            if image
-            else "How many shapes appear in the video in total? Count each shape once."
-        ) + " Answer with a number."
-    elif qtype == "position":
-        (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
-        r1, r2 = float(rng.uniform(r_lo, r_hi)), float(rng.uniform(r_lo, r_hi))
-        xa = rng.uniform(r1 + 1, w / 2 - r1 - 2)
-        xb = rng.uniform(w / 2 + r2 + 2, w - r2 - 1)
-        left_first = rng.random() < 0.5
-        xa, xb = (xa, xb) if left_first else (xb, xa)
-        objs.append(Obj(s1, c1, r1, xa, rng.uniform(r1 + 1, h - r1 - 1)))
-        objs.append(Obj(s2, c2, r2, xb, rng.uniform(r2 + 1, h - r2 - 1)))
-        choices = ["left", "right"]
-        ans = "A" if left_first else "B"
-        text = _mc_text(f"Is the {c1} {s1} to the left or to the right of the {c2} {s2}?", choices)
-        kind = "mc"
-    elif qtype in ("direction", "when_leave"):
-        (s, c), *rest = _distinct_objects(rng, int(rng.integers(1, 3)))
-        dname = str(rng.choice(list(DIRECTIONS)))
-        ux, uy = DIRECTIONS[dname]
-        r = float(rng.uniform(r_lo, r_hi))
-        span = w if ux else h
-        t_a = _grid_time(rng, 0, max(0.0, duration - 2.0))
-        if qtype == "when_leave":
-            t_l = _grid_time(rng, t_a + 1.0, duration - GRID)
-            start = float(rng.uniform(r + 1, span / 2))  # distance from the side it moves away from
-            speed = (span + r - start) / (t_l - t_a)
-        else:
-            start = float(rng.uniform(r + 1, span / 3))
-            speed = float(rng.uniform(0.4, 0.6)) * (span - 2 * r - start) / max(duration - t_a, 1.0)
-            t_l = math.inf
-        pos_along = start if (ux > 0 or uy > 0) else span - start
-        cross = float(rng.uniform(r + 1, (h if ux else w) - r - 1))
-        x, y = (pos_along, cross) if ux else (cross, pos_along)
-        mover = Obj(s, c, r, x, y, ux * speed, uy * speed, t_appear=t_a, t_vanish=t_l)
-        objs.append(mover)
-        taken.append((x, y, r))
-        for s2, c2 in rest:  # a static distractor away from the path
-            static(s2, c2)
-        events.append({"t": t_a, "event": "appear", "object": mover.name})
-        if qtype == "direction":
-            choices = list(DIRECTIONS)
-            ans = LETTERS[choices.index(dname)]
-            text = _mc_text(f"In which direction does the {c} {s} move?", choices)
-            kind = "mc"
-        else:
-            events.append({"t": t_l, "event": "leave", "object": mover.name})
-            ans, kind, tol = f"{t_l:.1f}", "numeric", GRID
-            text = f"At what time (in seconds) has the {c} {s} completely left the frame? Answer with a number."
-    elif qtype == "order":
-        k = int(rng.integers(2, 4))
-        pairs = _distinct_objects(rng, k)
-        t0 = _grid_time(rng, 0, max(0.0, duration - k * 1.0 - 0.5))
-        times = [t0]
-        for _ in range(k - 1):
-            times.append(times[-1] + GRID * int(rng.integers(1, 3)))  # 0.5 or 1.0 s later
-        for (s, c), t in zip(pairs, times):
-            o = static(s, c, hi=r_crowd, t_appear=t)
-            events.append({"t": t, "event": "appear", "object": o.name})
-        names = [f"the {c} {s}" for s, c in pairs]
-        choices = list(names)
-        rng.shuffle(choices)
-        ans = LETTERS[choices.index(names[0])]
-        text = _mc_text("Which shape appears first?", choices)
-        kind = "mc"
-    elif qtype in ("color_change", "when_change"):
-        (s, c), *rest = _distinct_objects(rng, int(rng.integers(1, 3)))
-        new = str(rng.choice([k for k in COLORS if k != c]))
-        t_c = _grid_time(rng, GRID, duration - GRID)
-        o = static(s, c, t_change=t_c, new_color=new)
-        for s2, c2 in rest:
-            static(s2, c2)
-        events.append({"t": t_c, "event": "change", "object": o.name, "to": new})
-        if qtype == "color_change":
-            choices, ans = _mc(rng, new, [k for k in COLORS if k != c])
-            text = _mc_text(f"The {c} {s} changes colour. What colour does it become?", choices)
-            kind = "mc"
-        else:
-            ans, kind, tol = f"{t_c:.1f}", "numeric", GRID
-            text = f"At what time (in seconds) does the {s} change colour? Answer with a number."
-    elif qtype == "when_collide":
-        (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
-        # Capped so both start inside the frame and still move towards the meeting point.
-        r1, r2 = float(rng.uniform(r_lo, side / 6.5)), float(rng.uniform(r_lo, side / 6.5))
-        t_c = _grid_time(rng, 1.0, duration - GRID)
-        y = float(rng.uniform(max(r1, r2) + 1, h - max(r1, r2) - 1))
-        meet = float(rng.uniform(w * 0.35, w * 0.65))
-        # Horizontal half-extents: the shapes touch when their extents meet at x = meet.
-        e1, e2 = r1 * (SQUARE_HALF if s1 == "square" else 1.0), r2 * (SQUARE_HALF if s2 == "square" else 1.0)
-        # Each starts inside the frame at t=0 and reaches contact at t_c: left one moves right, right one left.
-        v1 = rng.uniform(0.5, 1.0) * (meet - e1 - (r1 + 1)) / t_c
-        v2 = rng.uniform(0.5, 1.0) * ((w - r2 - 1) - (meet + e2)) / t_c
-        a = Obj(s1, c1, r1, meet - e1 - v1 * t_c, y, v1, 0.0, bounce_at=t_c)
-        b = Obj(s2, c2, r2, meet + e2 + v2 * t_c, y, -v2, 0.0, bounce_at=t_c)
-        objs += [a, b]
-        events.append({"t": t_c, "event": "collide", "objects": [a.name, b.name]})
-        ans, kind, tol = f"{t_c:.1f}", "numeric", GRID
-        text = f"At what time (in seconds) do the {c1} {s1} and the {c2} {s2} touch? Answer with a number."
-    elif qtype == "when_appear":
-        pairs = _distinct_objects(rng, int(rng.integers(1, 3)))
-        t_a = _grid_time(rng, GRID, duration - 1.0)
-        o = static(*pairs[0], t_appear=t_a)
-        for s2, c2 in pairs[1:]:
-            static(s2, c2)
-        events.append({"t": t_a, "event": "appear", "object": o.name})
-        ans, kind, tol = f"{t_a:.1f}", "numeric", GRID
-        text = f"At what time (in seconds) does the {o.name} appear? Answer with a number."
-    elif qtype == "when_gap":
-        # Two objects appear on whole seconds, the second 1..7 s after the first; both stay. The answer is
-        # the difference of two appearance times: a subtraction on top of two "when" readings.
-        duration = max(duration, 3.0)
-        pairs = _distinct_objects(rng, 2)
-        last = int(duration) - 1  # the later object is on screen for at least one second
-        t1 = float(rng.integers(0, last))
-        t2 = float(rng.integers(int(t1) + 1, last + 1))
-        first = static(*pairs[0], t_appear=t1)
-        second = static(*pairs[1], t_appear=t2)
-        events.append({"t": t1, "event": "appear", "object": first.name})
-        events.append({"t": t2, "event": "appear", "object": second.name})
-        ans, kind, tol = f"{t2 - t1:.1f}", "numeric", GRID
-        text = (f"How many seconds after the {first.name} appears does the {second.name} appear? "
-                "Answer with a number.")
-    elif qtype == "when_sum":
-        # Three objects appear on whole seconds 0..4 (ties allowed) and stay at least two seconds; the answer
-        # adds the three times: two chained additions on top of three "when" readings.
-        duration = max(duration, 6.0)
-        times = [float(t) for t in rng.integers(0, 5, size=3)]
-        for (s_, c_), t_a in zip(_distinct_objects(rng, 3), times):
-            o = static(s_, c_, hi=r_crowd, t_appear=t_a)
-            events.append({"t": t_a, "event": "appear", "object": o.name})
-        ans, kind, tol = f"{sum(times):.1f}", "numeric", GRID
-        text = "What is the sum of the times (in seconds) at which the three shapes appear? Answer with a number."
-    elif qtype == "price_sum":
-        # Three shapes (all different) appear on whole seconds 0..2 and stay; the question gives a price for
-        # each of the four shapes, drawn per question, and asks what the three cost together. The answer
-        # binds what is seen to numbers that change from question to question (no price can be memorised)
-        # and adds three of them: one look per shape, then a lookup and two small additions.
-        duration = max(duration, 4.0)
-        prices = {s_: int(p_) for s_, p_ in zip(SHAPES, rng.integers(1, 6, size=len(SHAPES)))}
-        for (s_, c_), t_a in zip(_distinct_objects(rng, 3), rng.integers(0, 3, size=3)):
-            o = static(s_, c_, hi=r_crowd, t_appear=float(t_a))
-            events.append({"t": float(t_a), "event": "appear", "object": o.name})
-        ans, kind = str(sum(prices[o.shape] for o in objs)), "numeric"
-        listing = ", ".join(f"{s_} {p_}" for s_, p_ in prices.items())
-        text = f"Prices: {listing}. What do the three shapes in the video cost in total? Answer with a number."
-    elif qtype == "detail":
-        # A tiny shape visible for 1 s among big distractors: the answer is in the high-resolution detail of
-        # the few frames that show it. By default it appears alone mid-clip (radius 6 % of the side), which
-        # the slow-fast rule leaves to fast frames; with ``detail_cut`` two or three bigger distractors
-        # arrive with it, a scene change, so its first frame is a key frame (alone it changes too few
-        # patches to start one), and it is a little larger. Each variant keeps its own order of draws.
-        if detail_cut:
-            t_a = _grid_time(rng, 0, duration - 1.0)
-            for s2, c2 in _distinct_objects(rng, int(rng.integers(2, 4)), avoid=("white",)):
-                static(s2, c2, lo=side / 6, t_appear=t_a)
-        else:
-            for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3)), avoid=("white",)):
-                static(s2, c2)
-        s = str(rng.choice(SHAPES))
-        r = max(5.0, side * (0.075 if detail_cut else 0.06))
-        x, y = _free_pos(rng, w, h, r, taken)
-        if not detail_cut:
-            t_a = _grid_time(rng, 0, duration - 1.0)
-        tiny = Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0)
-        objs.append(tiny)
-        events.append({"t": t_a, "event": "appear", "object": "tiny white " + s})
-        choices, ans = _mc(rng, s, list(SHAPES))
-        text = _mc_text("A tiny white shape is shown briefly. What shape is it?", choices)
-        kind = "mc"
+    def appear(self, o: Obj, t: float) -> None:
+        """Record that ``o`` appears at second ``t``."""
+        self.events.append({"t": t, "event": "appear", "object": o.name})
+
+
+class _Question(NamedTuple):
+    """What a question builder returns (the rest of the scene is in its :class:`_Draft`)."""
+
+    text: str
+    answer: str
+    kind: str
+    choices: list[str] | None = None
+    tolerance: float | None = None
+
+
+def _mc_question(rng: np.random.Generator, question: str, correct: str, pool: list[str]) -> _Question:
+    choices, ans = _mc(rng, correct, pool)
+    return _Question(_mc_text(question, choices), ans, "mc", choices)
+
+
+def _when_question(t: float, question: str) -> _Question:
+    return _Question(f"At what time (in seconds) {question}? Answer with a number.", f"{t:.1f}", "numeric",
+                     tolerance=GRID)
+
+
+def _q_color_shape(d: _Draft, qtype: str) -> _Question:
+    pairs = _distinct_objects(d.rng, int(d.rng.integers(1, 4)))
+    for s, c in pairs:
+        d.static(s, c)
+    s, c = pairs[0]
+    if qtype == "color":
+        return _mc_question(d.rng, f"What colour is the {s}?", c, list(COLORS))
+    return _mc_question(d.rng, f"What shape is the {c} object?", s, list(SHAPES))
+
+
+def _q_count(d: _Draft, qtype: str) -> _Question:
+    rng = d.rng
+    n = int(rng.integers(1, 6))
+    for _ in range(n):
+        s, c = str(rng.choice(SHAPES)), str(rng.choice(list(COLORS)))
+        if d.image:
+            d.static(s, c, hi=d.r_crowd)
+            continue
+        t_a = _grid_time(rng, 0, d.duration - 1.0)
+        t_v = _grid_time(rng, t_a + 1.0, d.duration) if rng.random() < 0.3 else math.inf
+        o = d.static(s, c, hi=d.r_crowd, t_appear=t_a, t_vanish=t_v if t_v < d.duration else math.inf)
+        d.appear(o, t_a)
+    text = (
+        "How many shapes are in the image?"
+        if d.image
+        else "How many shapes appear in the video in total? Count each shape once."
+    ) + " Answer with a number."
+    return _Question(text, str(n), "numeric")
+
+
+def _q_position(d: _Draft, qtype: str) -> _Question:
+    rng, w, h = d.rng, d.w, d.h
+    (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
+    r1, r2 = float(rng.uniform(d.r_lo, d.r_hi)), float(rng.uniform(d.r_lo, d.r_hi))
+    xa = rng.uniform(r1 + 1, w / 2 - r1 - 2)
+    xb = rng.uniform(w / 2 + r2 + 2, w - r2 - 1)
+    left_first = rng.random() < 0.5
+    xa, xb = (xa, xb) if left_first else (xb, xa)
+    d.objs.append(Obj(s1, c1, r1, xa, rng.uniform(r1 + 1, h - r1 - 1)))
+    d.objs.append(Obj(s2, c2, r2, xb, rng.uniform(r2 + 1, h - r2 - 1)))
+    choices = ["left", "right"]
+    text = _mc_text(f"Is the {c1} {s1} to the left or to the right of the {c2} {s2}?", choices)
+    return _Question(text, "A" if left_first else "B", "mc", choices)
+
+
+def _q_motion(d: _Draft, qtype: str) -> _Question:
+    """``direction`` and ``when_leave``: one object moving along an axis, plus a static distractor or none."""
+    rng, w, h, duration = d.rng, d.w, d.h, d.duration
+    (s, c), *rest = _distinct_objects(rng, int(rng.integers(1, 3)))
+    dname = str(rng.choice(list(DIRECTIONS)))
+    ux, uy = DIRECTIONS[dname]
+    r = float(rng.uniform(d.r_lo, d.r_hi))
+    span = w if ux else h
+    t_a = _grid_time(rng, 0, max(0.0, duration - 2.0))
+    if qtype == "when_leave":
+        t_l = _grid_time(rng, t_a + 1.0, duration - GRID)
+        start = float(rng.uniform(r + 1, span / 2))  # distance from the side it moves away from
+        speed = (span + r - start) / (t_l - t_a)
     else:
+        start = float(rng.uniform(r + 1, span / 3))
+        speed = float(rng.uniform(0.4, 0.6)) * (span - 2 * r - start) / max(duration - t_a, 1.0)
+        t_l = math.inf
+    pos_along = start if (ux > 0 or uy > 0) else span - start
+    cross = float(rng.uniform(r + 1, (h if ux else w) - r - 1))
+    x, y = (pos_along, cross) if ux else (cross, pos_along)
+    mover = Obj(s, c, r, x, y, ux * speed, uy * speed, t_appear=t_a, t_vanish=t_l)
+    d.objs.append(mover)
+    d.taken.append((x, y, r))
+    for s2, c2 in rest:  # a static distractor away from the path
+        d.static(s2, c2)
+    d.appear(mover, t_a)
+    if qtype == "direction":
+        choices = list(DIRECTIONS)
+        text = _mc_text(f"In which direction does the {c} {s} move?", choices)
+        return _Question(text, LETTERS[choices.index(dname)], "mc", choices)
+    d.events.append({"t": t_l, "event": "leave", "object": mover.name})
+    return _when_question(t_l, f"has the {c} {s} completely left the frame")
+
+
+def _q_order(d: _Draft, qtype: str) -> _Question:
+    rng = d.rng
+    k = int(rng.integers(2, 4))
+    pairs = _distinct_objects(rng, k)
+    t0 = _grid_time(rng, 0, max(0.0, d.duration - k * 1.0 - 0.5))
+    times = [t0]
+    for _ in range(k - 1):
+        times.append(times[-1] + GRID * int(rng.integers(1, 3)))  # 0.5 or 1.0 s later
+    for (s, c), t in zip(pairs, times):
+        d.appear(d.static(s, c, hi=d.r_crowd, t_appear=t), t)
+    names = [f"the {c} {s}" for s, c in pairs]
+    choices = list(names)
+    rng.shuffle(choices)
+    return _Question(_mc_text("Which shape appears first?", choices), LETTERS[choices.index(names[0])], "mc",
+                     choices)
+
+
+def _q_change(d: _Draft, qtype: str) -> _Question:
+    """``color_change`` and ``when_change``: one object turns another colour mid-clip."""
+    rng = d.rng
+    (s, c), *rest = _distinct_objects(rng, int(rng.integers(1, 3)))
+    new = str(rng.choice([k for k in COLORS if k != c]))
+    t_c = _grid_time(rng, GRID, d.duration - GRID)
+    o = d.static(s, c, t_change=t_c, new_color=new)
+    for s2, c2 in rest:
+        d.static(s2, c2)
+    d.events.append({"t": t_c, "event": "change", "object": o.name, "to": new})
+    if qtype == "color_change":
+        return _mc_question(rng, f"The {c} {s} changes colour. What colour does it become?", new,
+                            [k for k in COLORS if k != c])
+    return _when_question(t_c, f"does the {s} change colour")
+
+
+def _q_when_collide(d: _Draft, qtype: str) -> _Question:
+    rng, w, h, side = d.rng, d.w, d.h, d.side
+    (s1, c1), (s2, c2) = _distinct_objects(rng, 2)
+    # Capped so both start inside the frame and still move towards the meeting point.
+    r1, r2 = float(rng.uniform(d.r_lo, side / 6.5)), float(rng.uniform(d.r_lo, side / 6.5))
+    t_c = _grid_time(rng, 1.0, d.duration - GRID)
+    y = float(rng.uniform(max(r1, r2) + 1, h - max(r1, r2) - 1))
+    meet = float(rng.uniform(w * 0.35, w * 0.65))
+    # Horizontal half-extents: the shapes touch when their extents meet at x = meet.
+    e1, e2 = r1 * (SQUARE_HALF if s1 == "square" else 1.0), r2 * (SQUARE_HALF if s2 == "square" else 1.0)
+    # Each starts inside the frame at t=0 and reaches contact at t_c: left one moves right, right one left.
+    v1 = rng.uniform(0.5, 1.0) * (meet - e1 - (r1 + 1)) / t_c
+    v2 = rng.uniform(0.5, 1.0) * ((w - r2 - 1) - (meet + e2)) / t_c
+    a = Obj(s1, c1, r1, meet - e1 - v1 * t_c, y, v1, 0.0, bounce_at=t_c)
+    b = Obj(s2, c2, r2, meet + e2 + v2 * t_c, y, -v2, 0.0, bounce_at=t_c)
+    d.objs += [a, b]
+    d.events.append({"t": t_c, "event": "collide", "objects": [a.name, b.name]})
+    return _when_question(t_c, f"do the {c1} {s1} and the {c2} {s2} touch")
+
+
+def _q_when_appear(d: _Draft, qtype: str) -> _Question:
+    pairs = _distinct_objects(d.rng, int(d.rng.integers(1, 3)))
+    t_a = _grid_time(d.rng, GRID, d.duration - 1.0)
+    o = d.static(*pairs[0], t_appear=t_a)
+    for s2, c2 in pairs[1:]:
+        d.static(s2, c2)
+    d.appear(o, t_a)
+    return _when_question(t_a, f"does the {o.name} appear")
+
+
+def _q_when_gap(d: _Draft, qtype: str) -> _Question:
+    # Two objects appear on whole seconds, the second 1..7 s after the first; both stay. The answer is
+    # the difference of two appearance times: a subtraction on top of two "when" readings.
+    rng = d.rng
+    d.duration = max(d.duration, 3.0)
+    pairs = _distinct_objects(rng, 2)
+    last = int(d.duration) - 1  # the later object is on screen for at least one second
+    t1 = float(rng.integers(0, last))
+    t2 = float(rng.integers(int(t1) + 1, last + 1))
+    first = d.static(*pairs[0], t_appear=t1)
+    second = d.static(*pairs[1], t_appear=t2)
+    d.appear(first, t1)
+    d.appear(second, t2)
+    text = (f"How many seconds after the {first.name} appears does the {second.name} appear? "
+            "Answer with a number.")
+    return _Question(text, f"{t2 - t1:.1f}", "numeric", tolerance=GRID)
+
+
+def _q_when_sum(d: _Draft, qtype: str) -> _Question:
+    # Three objects appear on whole seconds 0..4 (ties allowed) and stay at least two seconds; the answer
+    # adds the three times: two chained additions on top of three "when" readings.
+    d.duration = max(d.duration, 6.0)
+    times = [float(t) for t in d.rng.integers(0, 5, size=3)]
+    for (s_, c_), t_a in zip(_distinct_objects(d.rng, 3), times):
+        d.appear(d.static(s_, c_, hi=d.r_crowd, t_appear=t_a), t_a)
+    text = "What is the sum of the times (in seconds) at which the three shapes appear? Answer with a number."
+    return _Question(text, f"{sum(times):.1f}", "numeric", tolerance=GRID)
+
+
+def _q_price_sum(d: _Draft, qtype: str) -> _Question:
+    # Three shapes (all different) appear on whole seconds 0..2 and stay; the question gives a price for
+    # each of the four shapes, drawn per question, and asks what the three cost together. The answer
+    # binds what is seen to numbers that change from question to question (no price can be memorised)
+    # and adds three of them: one look per shape, then a lookup and two small additions.
+    rng = d.rng
+    d.duration = max(d.duration, 4.0)
+    prices = {s_: int(p_) for s_, p_ in zip(SHAPES, rng.integers(1, 6, size=len(SHAPES)))}
+    for (s_, c_), t_a in zip(_distinct_objects(rng, 3), rng.integers(0, 3, size=3)):
+        d.appear(d.static(s_, c_, hi=d.r_crowd, t_appear=float(t_a)), float(t_a))
+    listing = ", ".join(f"{s_} {p_}" for s_, p_ in prices.items())
+    text = f"Prices: {listing}. What do the three shapes in the video cost in total? Answer with a number."
+    return _Question(text, str(sum(prices[o.shape] for o in d.objs)), "numeric")
+
+
+def _q_detail(d: _Draft, qtype: str, detail_cut: bool = False) -> _Question:
+    # A tiny shape visible for 1 s among big distractors: the answer is in the high-resolution detail of
+    # the few frames that show it. By default it appears alone mid-clip (radius 6 % of the side), which
+    # the slow-fast rule leaves to fast frames; with ``detail_cut`` two or three bigger distractors
+    # arrive with it, a scene change, so its first frame is a key frame (alone it changes too few
+    # patches to start one), and it is a little larger. Each variant keeps its own order of draws.
+    rng = d.rng
+    if detail_cut:
+        t_a = _grid_time(rng, 0, d.duration - 1.0)
+        for s2, c2 in _distinct_objects(rng, int(rng.integers(2, 4)), avoid=("white",)):
+            d.static(s2, c2, lo=d.side / 6, t_appear=t_a)
+    else:
+        for s2, c2 in _distinct_objects(rng, int(rng.integers(1, 3)), avoid=("white",)):
+            d.static(s2, c2)
+    s = str(rng.choice(SHAPES))
+    r = max(5.0, d.side * (0.075 if detail_cut else 0.06))
+    x, y = _free_pos(rng, d.w, d.h, r, d.taken)
+    if not detail_cut:
+        t_a = _grid_time(rng, 0, d.duration - 1.0)
+    d.objs.append(Obj(s, "white", r, x, y, t_appear=t_a, t_vanish=t_a + 1.0))
+    d.events.append({"t": t_a, "event": "appear", "object": "tiny white " + s})
+    return _mc_question(rng, "A tiny white shape is shown briefly. What shape is it?", s, list(SHAPES))
+
+
+_QUESTION_BUILDERS: dict[str, Callable[..., _Question]] = {
+    "color": _q_color_shape,
+    "shape": _q_color_shape,
+    "count": _q_count,
+    "position": _q_position,
+    "direction": _q_motion,
+    "when_leave": _q_motion,
+    "order": _q_order,
+    "color_change": _q_change,
+    "when_change": _q_change,
+    "when_collide": _q_when_collide,
+    "when_appear": _q_when_appear,
+    "when_gap": _q_when_gap,
+    "when_sum": _q_when_sum,
+    "price_sum": _q_price_sum,
+    "detail": _q_detail,
+}
+
+
+def make_scene(rng: np.random.Generator, qtype: str, image: bool, detail_cut: bool = False) -> Scene:
+    """Draw one scene (video unless ``image``) with a question of type ``qtype``; see the module table
+    (``detail_cut``: the detail scene variant in which the tiny shape arrives with its distractors).
+    Raises :class:`KeyeConfigError` for an unknown ``qtype``."""
+    w, h = (int(rng.choice(SIDES)), int(rng.choice(SIDES)))
+    fps = 0 if image else int(rng.choice(FPS_CHOICES))
+    duration = 0.0 if image else GRID * int(rng.integers(4, 17))  # 2 .. 8 s
+    build = _QUESTION_BUILDERS.get(qtype)
+    if build is None:
         raise KeyeConfigError(f"unknown question type {qtype!r}")
-    return Scene(w, h, fps, duration, objs, qtype, text, ans, kind, choices, tol, events)
+    d = _Draft(rng, image, w, h, fps, duration)
+    q = build(d, qtype, detail_cut) if qtype == "detail" else build(d, qtype)
+    return Scene(w, h, fps, d.duration, d.objs, qtype, q.text, q.answer, q.kind, q.choices, q.tolerance,
+                 d.events)
 
 
 # ------------------------------------------------------------------------------------------ samples
@@ -973,34 +1062,13 @@ def generate_split(
     return path
 
 
-def generate(
-    out_dir: str | os.PathLike[str],
-    *,
-    train: int,
-    test: int,
-    seed: int = 0,
-    workers: int | None = None,
-    image_fraction: float = 0.1,
-    progress: bool = True,
-    warmup: int = 0,
-    modes: bool = False,
-    auto_labels: str = "type",
-    extra_types: dict[str, float] | None = None,
-    places: bool = False,
-    detail_cut: bool = False,
-    position_weight: float = 1.0,
-) -> dict[str, Path]:
+def generate(out_dir: str | os.PathLike[str], *, train: int, test: int, warmup: int = 0,
+             **options: Any) -> dict[str, Path]:
     """Generate both splits (and ``warmup`` perception warm-up rows when > 0); returns
-    ``{"train": path, "test": path[, "warmup": path]}`` (see :func:`generate_split`; ``modes`` adds the
-    thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``;
+    ``{"train": path, "test": path[, "warmup": path]}``. ``options`` are :func:`generate_split`'s keyword
+    arguments, the same for every split (``seed``, ``workers``, ``image_fraction``, ``progress``; ``modes``
+    adds the thinking-mode targets and ``<split>_modes.jsonl``, their auto rows labelled by ``auto_labels``;
     ``extra_types`` adds opt-in question types; ``places`` names where each object is in the captions;
-    ``detail_cut`` and ``position_weight`` are the opt-in scene options)."""
+    ``detail_cut`` and ``position_weight`` are the opt-in scene options); an unknown one raises TypeError."""
     splits = [("train", train), ("test", test)] + ([("warmup", warmup)] if warmup > 0 else [])
-    return {
-        split: generate_split(
-            out_dir, split, n, seed=seed, workers=workers, image_fraction=image_fraction, progress=progress,
-            modes=modes, auto_labels=auto_labels, extra_types=extra_types, places=places, detail_cut=detail_cut,
-            position_weight=position_weight,
-        )
-        for split, n in splits
-    }
+    return {split: generate_split(out_dir, split, n, **options) for split, n in splits}
