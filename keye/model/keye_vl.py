@@ -125,6 +125,30 @@ def cache_length(cache: Cache | KVCache | None) -> int:
     return cache.length if isinstance(cache, KVCache) else cache.get_seq_length()
 
 
+def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                  reduction: str) -> tuple[torch.Tensor, int]:
+    """``(loss, target count)`` of next-token cross entropy: position t predicts ``labels[:, t + 1]``
+    (-100: no loss), in float32; with packed samples (``cu_seqlens``) no sample's last token predicts the
+    next sample's first. ``reduction``: "mean" over the targets or "sum"."""
+    shift_labels = labels[:, 1:].clone()
+    if cu_seqlens is not None:
+        ends = cu_seqlens[1:-1].long() - 1  # last token of each sample but the final one
+        shift_labels[0, ends] = -100
+    shift_logits = logits[:, :-1].float()
+    n_target = int((shift_labels != -100).sum())
+    loss = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1).to(shift_logits.device),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    if reduction == "mean":
+        loss = loss / max(n_target, 1)
+    elif reduction != "sum":
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
+    return loss, n_target
+
+
 class KeyeVL(PreTrainedModel, GenerationMixin):
     """The Keye-VL model (both the 8B-Preview and the 1.5 variants, chosen by ``config.variant``).
 
@@ -367,24 +391,19 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        past_key_values: KVCache | None = None,
-        use_cache: bool = False,
+        past_key_values: KVCache | None = None, use_cache: bool = False,
         rope_deltas: torch.Tensor | None = None,
         seq_lens: Sequence[int] | torch.Tensor | None = None,
         num_frames: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
-        loss_reduction: str = "mean",
+        logits_to_keep: int = 0, loss_reduction: str = "mean",
         output_hidden_states: bool = False,
         inputs_embeds: torch.Tensor | None = None,
         attention_override=None,
-        cache: Cache | KVCache | None = None,
-        return_dict: bool | None = None,
+        cache: Cache | KVCache | None = None, return_dict: bool | None = None,
         logprob_request: Any = None,
         text_token_mask: torch.Tensor | None = None,
     ) -> KeyeOutput:
@@ -424,11 +443,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
                 embedding and ordinary text positions, as during decoding.
         """
         del num_frames, return_dict
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise KeyeInputError("pass the KV cache either as past_key_values or as cache, not both")
-        cache = cache if cache is not None else past_key_values
-        if use_cache and cache is None:
-            cache = KVCache(len(self.model.layers))
+        cache = self._forward_cache(cache, past_key_values, use_cache)
         past = cache_length(cache)
         if input_ids is None and inputs_embeds is None:
             raise KeyeInputError("forward needs input_ids or inputs_embeds")
@@ -443,27 +458,13 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             # any non-placeholder id: only "is it vision" matters for positions and the feature scatter
             pos_ids = input_ids.masked_fill(text_token_mask.to(input_ids.device), 0)
         if inputs_embeds is None:
-            if past == 0:
-                inputs_embeds = self.embed(pos_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-                if pos_ids is not input_ids:
-                    raw = self.model.embed_tokens(input_ids)
-                    inputs_embeds = torch.where(text_token_mask.to(raw.device)[..., None], raw, inputs_embeds)
-            else:
-                inputs_embeds = self.model.embed_tokens(input_ids)
-        bsz, seq = inputs_embeds.shape[:2]
-
+            inputs_embeds = self._forward_embeds(input_ids, pos_ids, text_token_mask, past, pixel_values,
+                                                 image_grid_thw, pixel_values_videos, video_grid_thw)
         if position_ids is None:
-            if past == 0 and input_ids is not None:
-                position_ids, rope_deltas = self.get_rope_index(
-                    pos_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
-                    None if packed else attention_mask, seq_lens if packed else None,
-                )
-            else:
-                if rope_deltas is None:
-                    rope_deltas = torch.zeros(bsz, 1, dtype=torch.long, device=inputs_embeds.device)
-                dev = inputs_embeds.device
-                step = torch.arange(past, past + seq, device=dev)[None, :] + rope_deltas.to(dev)
-                position_ids = step[None].expand(3, -1, -1)
+            position_ids, rope_deltas = self._forward_positions(
+                pos_ids, inputs_embeds, past, rope_deltas, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                None if packed else attention_mask, seq_lens if packed else None,
+            )
         inv_freq = text_inv_freq(self.config.text.head_dim, self.config.text.rope_theta, device=inputs_embeds.device)
         cos, sin = mrope_cos_sin(position_ids, inv_freq, self.config.text.mrope_section, inputs_embeds.dtype)
 
@@ -475,45 +476,57 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             key_mask = None
         hidden = self.model(inputs_embeds, cos, sin, key_mask, cache, cu_seqlens, attention_override)
 
-        token_logp = token_entropy = None
+        token_logp = token_entropy = logits = None
         if logprob_request is not None:
             token_logp, token_entropy = logprob_request.compute(hidden, self.lm_head)
-            logits = None
         else:
-            keep = hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:]
-            logits = self.lm_head(keep)
-
-        loss = None
-        n_target = None
+            logits = self.lm_head(hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:])
+        loss = n_target = None
         if labels is not None:
-            shift_labels = labels[:, 1:].clone()
-            if packed:
-                ends = cu_seqlens[1:-1].long() - 1  # last token of each sample but the final one
-                shift_labels[0, ends] = -100
             full_logits = logits if logits is not None and logits_to_keep <= 0 else self.lm_head(hidden)
-            shift_logits = full_logits[:, :-1].float()
-            n_target = int((shift_labels != -100).sum())
-            loss = F.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.shape[-1]),
-                shift_labels.reshape(-1).to(shift_logits.device),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            if loss_reduction == "mean":
-                loss = loss / max(n_target, 1)
-            elif loss_reduction != "sum":
-                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+            loss, n_target = _shifted_loss(full_logits, labels, cu_seqlens, loss_reduction)
         return KeyeOutput(
-            logits=logits,
-            loss=loss,
-            num_target_tokens=n_target,
-            rope_deltas=rope_deltas,
-            position_ids=position_ids,
-            cache=cache,
-            hidden_states=hidden if output_hidden_states else None,
-            token_logp=token_logp,
-            token_entropy=token_entropy,
+            logits=logits, loss=loss, num_target_tokens=n_target, rope_deltas=rope_deltas,
+            position_ids=position_ids, cache=cache, hidden_states=hidden if output_hidden_states else None,
+            token_logp=token_logp, token_entropy=token_entropy,
         )
+
+    def _forward_cache(self, cache: Any, past_key_values: Any, use_cache: bool) -> Any:
+        """The KV cache of a forward call: ``cache`` (transformers' name) or ``past_key_values``, a new
+        :class:`KVCache` when ``use_cache`` asks for one and none is given, else None."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise KeyeInputError("pass the KV cache either as past_key_values or as cache, not both")
+        cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None:
+            cache = KVCache(len(self.model.layers))
+        return cache
+
+    def _forward_embeds(self, input_ids, pos_ids, text_token_mask, past, pixel_values, image_grid_thw,
+                        pixel_values_videos, video_grid_thw) -> torch.Tensor:
+        """Input embeddings: at prefill (``past == 0``) text and vision features merged (``pos_ids``: the ids
+        with placeholders sampled as text masked off), positions in ``text_token_mask`` embedded as the
+        tokens they are; while decoding the token embeddings alone."""
+        if past != 0:
+            return self.model.embed_tokens(input_ids)
+        embeds = self.embed(pos_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        if pos_ids is not input_ids:
+            raw = self.model.embed_tokens(input_ids)
+            embeds = torch.where(text_token_mask.to(raw.device)[..., None], raw, embeds)
+        return embeds
+
+    def _forward_positions(self, pos_ids, inputs_embeds, past, rope_deltas, image_grid_thw, video_grid_thw,
+                           second_per_grid_ts, attention_mask, seq_lens):
+        """``(position_ids [3, B, L], rope_deltas)`` when the caller gave no positions: the 3-D rope index at
+        prefill, else the next ``L`` steps after ``past`` shifted by the prefill's ``rope_deltas``."""
+        if past == 0 and pos_ids is not None:
+            return self.get_rope_index(pos_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                                       attention_mask, seq_lens)
+        bsz, seq = inputs_embeds.shape[:2]
+        dev = inputs_embeds.device
+        if rope_deltas is None:
+            rope_deltas = torch.zeros(bsz, 1, dtype=torch.long, device=dev)
+        step = torch.arange(past, past + seq, device=dev)[None, :] + rope_deltas.to(dev)
+        return step[None].expand(3, -1, -1), rope_deltas
 
     # ----------------------------------------------------------------------------- generation
     def _generation_config(self, **kwargs: Any) -> GenerationConfig:
