@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,132 @@ def make_respond(host: ModelHost, max_video_seconds: float | None, frame_dir: st
     return respond
 
 
+@dataclass
+class _Controls:
+    """The settings column's inputs, in the order :func:`make_respond`'s handler takes them."""
+
+    fps: Any
+    max_frames: Any
+    budget: Any
+    slow_fast: Any
+    similarity: Any
+    mode: Any
+    greedy: Any
+    temperature: Any
+    top_p: Any
+    top_k: Any
+    max_new: Any
+    repetition: Any
+
+    def inputs(self) -> list[Any]:
+        """The controls in handler order (video sampling, then generation)."""
+        return [*self.video(), self.mode, self.greedy, self.temperature, self.top_p, self.top_k, self.max_new,
+                self.repetition]
+
+    def video(self) -> list[Any]:
+        """The video sampling sliders, which follow the checkpoint's defaults once it is loaded."""
+        return [self.fps, self.max_frames, self.budget, self.slow_fast, self.similarity]
+
+
+def _settings_controls(video: VideoSettings, sampling: SamplingSettings) -> _Controls:
+    """The "Video sampling" and "Generation" accordions, starting at ``video`` / ``sampling``."""
+    with gr.Accordion("Video sampling", open=True):
+        fps = gr.Slider(0.5, 8.0, value=video.fps, step=0.5, label="Frames per second")
+        max_frames = gr.Slider(2, 256, value=video.max_frames, step=1, label="Max frames")
+        budget = gr.Slider(256, 65536, value=video.token_budget, step=256, label="Visual token budget")
+        slow_fast = gr.Checkbox(value=video.slow_fast is not False, label="Slow-fast encoding (Keye-VL 1.5)")
+        similarity = gr.Slider(0.5, 1.0, value=video.min_frame_similarity, step=0.01,
+                               label="Slow-frame similarity threshold")
+    with gr.Accordion("Generation", open=False):
+        mode = gr.Radio(list(MODES), value="auto", label="Thinking mode")
+        greedy = gr.Checkbox(value=True, label="Greedy decoding (ignore the sampling settings)")
+        with gr.Row():
+            temperature = gr.Slider(0.05, 2.0, value=sampling.temperature, step=0.05, label="Temperature")
+            top_p = gr.Slider(0.05, 1.0, value=sampling.top_p, step=0.05, label="Top-p")
+        with gr.Row():
+            top_k = gr.Slider(0, 200, value=sampling.top_k, step=1, label="Top-k (0 = off)")
+            repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty")
+        max_new = gr.Slider(1, 4096, value=sampling.max_new_tokens, step=1, label="Max new tokens")
+    return _Controls(fps, max_frames, budget, slow_fast, similarity, mode, greedy, temperature, top_p, top_k,
+                     max_new, repetition)
+
+
+@dataclass
+class _ChatView:
+    """The chat column: the conversation, the question row and what the model saw."""
+
+    chatbot: Any
+    alert: Any
+    question: Any
+    send: Any
+    clear: Any
+    gallery: Any
+    summary: Any
+
+
+def _chat_view() -> _ChatView:
+    """Build the chat column's components (inside the current Gradio layout block)."""
+    chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy"])
+    alert = gr.Markdown("", label="Message", show_label=False, elem_classes="keye-alert", visible=False)
+    with gr.Row():
+        question = gr.Textbox(placeholder="Ask about the video… e.g. Which way does the red circle move?",
+                              label="Question", show_label=False, scale=5, lines=1, max_lines=6,
+                              autofocus=True)
+        send = gr.Button("Ask", variant="primary", scale=1, min_width=80)
+        clear = gr.Button("New chat", scale=1, min_width=80)
+    gallery = gr.Gallery(label="What the model saw (timestamp · slow/fast · tokens)", columns=4, height=340,
+                         object_fit="contain", allow_preview=True)
+    summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
+    return _ChatView(chatbot, alert, question, send, clear, gallery, summary)
+
+
+def _wire_deep_links(app: Any, examples: list[dict], files: Any, question: Any, respond: Any,
+                     inputs: list[Any], outputs: list[Any]) -> None:
+    """Deep links: ``?example=N`` fills in bundled example N, ``&ask=1`` also asks its question right away
+    (shareable links, and how the README screenshot is taken by a headless browser)."""
+    autorun = gr.State(False)
+
+    def from_url(request: gr.Request) -> tuple:
+        params = dict(request.query_params) if request is not None else {}
+        try:
+            n = int(params.get("example", ""))
+        except ValueError:
+            return skip_all(3)
+        if not 0 <= n < len(examples or []):
+            return skip_all(3)
+        ask = params.get("ask", "0").lower() in ("1", "true", "yes")
+        return [examples[n]["video"]], examples[n]["question"], ask
+
+    def respond_if_asked(*args: Any) -> Iterator[tuple]:
+        if not args[-1]:
+            yield skip_all(len(outputs))
+            return
+        yield from respond(*args[:-1])
+
+    app.load(from_url, None, [files, question, autorun], api_name=False).then(
+        respond_if_asked, [*inputs, autorun], outputs, api_name=False
+    )
+
+
+def _wire_loading(app: Any, host: ModelHost, status: Any, controls: _Controls) -> None:
+    """While the model loads, a timer refreshes the status line; once it is ready the video sliders take
+    the checkpoint's own defaults and the timer stops."""
+    timer = gr.Timer(1.0, active=host.state in ("idle", "loading"))
+
+    def poll() -> tuple:
+        loading = host.state in ("idle", "loading")
+        if host.state != "ready":
+            return (host.describe(), gr.Timer(active=loading), *skip_all(5))
+        # Runs once per page when it first sees the model ready (the timer stops here).
+        d = VideoSettings.for_checkpoint(host.processor)
+        return (host.describe(), gr.Timer(active=False), d.fps, d.max_frames, d.token_budget,
+                d.slow_fast is not False, d.min_frame_similarity)
+
+    polled = [status, timer, *controls.video()]
+    timer.tick(poll, None, polled, api_name=False, show_progress="hidden")
+    app.load(poll, None, polled, api_name=False, show_progress="hidden")
+
+
 def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples: list[dict] | None = None):
     """Build the Gradio Blocks page around ``host`` (which may still be loading).
 
@@ -291,7 +418,6 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
     settings_defaults = (
         VideoSettings.for_checkpoint(host.processor) if host.state == "ready" else VideoSettings()
     )
-    sampling_defaults = SamplingSettings(greedy=True)
     with gr.Blocks(title=TITLE, analytics_enabled=False) as app:
         state = gr.State(_new_state())
         gr.Markdown(
@@ -305,157 +431,31 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
                 files = gr.File(label="Video or images", file_count="multiple", type="filepath", height=120)
                 # Placeholder for the examples table, filled below once the question box exists.
                 examples_slot = gr.Column()
-                with gr.Accordion("Video sampling", open=True):
-                    fps = gr.Slider(
-                        0.5, 8.0, value=settings_defaults.fps, step=0.5, label="Frames per second"
-                    )
-                    max_frames = gr.Slider(
-                        2, 256, value=settings_defaults.max_frames, step=1, label="Max frames"
-                    )
-                    budget = gr.Slider(
-                        256,
-                        65536,
-                        value=settings_defaults.token_budget,
-                        step=256,
-                        label="Visual token budget",
-                    )
-                    slow_fast = gr.Checkbox(
-                        value=settings_defaults.slow_fast is not False,
-                        label="Slow-fast encoding (Keye-VL 1.5)",
-                    )
-                    similarity = gr.Slider(
-                        0.5,
-                        1.0,
-                        value=settings_defaults.min_frame_similarity,
-                        step=0.01,
-                        label="Slow-frame similarity threshold",
-                    )
-                with gr.Accordion("Generation", open=False):
-                    mode = gr.Radio(list(MODES), value="auto", label="Thinking mode")
-                    greedy = gr.Checkbox(value=True, label="Greedy decoding (ignore the sampling settings)")
-                    with gr.Row():
-                        temperature = gr.Slider(
-                            0.05, 2.0, value=sampling_defaults.temperature, step=0.05, label="Temperature"
-                        )
-                        top_p = gr.Slider(0.05, 1.0, value=sampling_defaults.top_p, step=0.05, label="Top-p")
-                    with gr.Row():
-                        top_k = gr.Slider(
-                            0, 200, value=sampling_defaults.top_k, step=1, label="Top-k (0 = off)"
-                        )
-                        repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty")
-                    max_new = gr.Slider(
-                        1, 4096, value=sampling_defaults.max_new_tokens, step=1, label="Max new tokens"
-                    )
+                controls = _settings_controls(settings_defaults, SamplingSettings(greedy=True))
             with gr.Column(scale=3, min_width=420):
-                chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy"])
-                alert = gr.Markdown(
-                    "", label="Message", show_label=False, elem_classes="keye-alert", visible=False
-                )
-                with gr.Row():
-                    question = gr.Textbox(
-                        placeholder="Ask about the video… e.g. Which way does the red circle move?",
-                        label="Question",
-                        show_label=False,
-                        scale=5,
-                        lines=1,
-                        max_lines=6,
-                        autofocus=True,
-                    )
-                    send = gr.Button("Ask", variant="primary", scale=1, min_width=80)
-                    clear = gr.Button("New chat", scale=1, min_width=80)
-                gallery = gr.Gallery(
-                    label="What the model saw (timestamp · slow/fast · tokens)",
-                    columns=4,
-                    height=340,
-                    object_fit="contain",
-                    allow_preview=True,
-                )
-                summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
+                view = _chat_view()
         if examples:
             with examples_slot:
-                gr.Examples(
-                    examples=[[[e["video"]], e["question"]] for e in examples],
-                    inputs=[files, question],
-                    label="Examples (held-out synthetic clips)",
-                    cache_examples=False,
-                )
+                gr.Examples(examples=[[[e["video"]], e["question"]] for e in examples],
+                            inputs=[files, view.question], label="Examples (held-out synthetic clips)",
+                            cache_examples=False)
 
-        inputs = [
-            files,
-            question,
-            state,
-            fps,
-            max_frames,
-            budget,
-            slow_fast,
-            similarity,
-            mode,
-            greedy,
-            temperature,
-            top_p,
-            top_k,
-            max_new,
-            repetition,
-        ]
-        outputs = [chatbot, state, alert, gallery, summary, question]
+        inputs = [files, view.question, state, *controls.inputs()]
+        outputs = [view.chatbot, state, view.alert, view.gallery, view.summary, view.question]
         respond = make_respond(host, max_video_seconds)
-        send.click(respond, inputs, outputs, api_name="respond")
-        question.submit(respond, inputs, outputs, api_name=False)
+        view.send.click(respond, inputs, outputs, api_name="respond")
+        view.question.submit(respond, inputs, outputs, api_name=False)
 
         def reset() -> tuple:
             return [], _new_state(), _alert(""), None, ""
 
-        clear.click(reset, None, [chatbot, state, alert, gallery, summary], api_name="reset")
+        cleared = [view.chatbot, state, view.alert, view.gallery, view.summary]
+        view.clear.click(reset, None, cleared, api_name="reset")
         # User actions only (not .change): a deep link fills the files while its question is already running.
         for event in (files.upload, files.clear, files.delete):
-            event(reset, None, [chatbot, state, alert, gallery, summary], api_name=False)
-
-        # Deep links: ?example=N fills in bundled example N, &ask=1 also asks its question right away
-        # (shareable links, and how the README screenshot is taken by a headless browser).
-        autorun = gr.State(False)
-
-        def from_url(request: gr.Request) -> tuple:
-            params = dict(request.query_params) if request is not None else {}
-            try:
-                n = int(params.get("example", ""))
-            except ValueError:
-                return skip_all(3)
-            if not 0 <= n < len(examples or []):
-                return skip_all(3)
-            ask = params.get("ask", "0").lower() in ("1", "true", "yes")
-            return [examples[n]["video"]], examples[n]["question"], ask
-
-        def respond_if_asked(*args: Any) -> Iterator[tuple]:
-            if not args[-1]:
-                yield skip_all(len(outputs))
-                return
-            yield from respond(*args[:-1])
-
-        app.load(from_url, None, [files, question, autorun], api_name=False).then(
-            respond_if_asked, [*inputs, autorun], outputs, api_name=False
-        )
-
-        timer = gr.Timer(1.0, active=host.state in ("idle", "loading"))
-
-        def poll() -> tuple:
-            loading = host.state in ("idle", "loading")
-            if host.state != "ready":
-                return (host.describe(), gr.Timer(active=loading), *skip_all(5))
-            # Runs once per page when it first sees the model ready (the timer stops here).
-            d = VideoSettings.for_checkpoint(host.processor)
-            return (
-                host.describe(),
-                gr.Timer(active=False),
-                d.fps,
-                d.max_frames,
-                d.token_budget,
-                d.slow_fast is not False,
-                d.min_frame_similarity,
-            )
-
-        polled = [status, timer, fps, max_frames, budget, slow_fast, similarity]
-        timer.tick(poll, None, polled, api_name=False, show_progress="hidden")
-        app.load(poll, None, polled, api_name=False, show_progress="hidden")
+            event(reset, None, cleared, api_name=False)
+        _wire_deep_links(app, examples, files, view.question, respond, inputs, outputs)
+        _wire_loading(app, host, status, controls)
     return app
 
 
