@@ -38,8 +38,8 @@ split of ``eval_helps``) to compare auto's think rate on the held-out set betwee
 
 Scale (sized for a 2-core CPU): 1,500 training samples (4,500 rows), 300 held-out questions, 800 SFT
 steps, 200 RL steps of 8 questions; ~25 min in all here on one thread alone (data 22 s, SFT 640 s, RL 755 s,
-each evaluation ~30 s; two runs side by side on the two cores: ~32 min each, eval_helps ~60 s). The README
-table is ``<out>/report.md``.
+each evaluation ~30 s; two runs side by side on the two cores: ~32 min each, eval_helps ~60 s). The tables of
+docs/experiments/autothink.md are ``<out>/report.md``.
 
 Usage:
   python training/autothink_experiment.py                       # the experiment, runs/autothink
@@ -131,7 +131,8 @@ def make_rl_data(out: Path, n: int, seed: int, workers: int, extra_types: dict[s
     """The RL questions when they come from their own seed (``--rl-seed``): ``n`` plain questions (no mode
     rows; the synthetic ``train`` split of that seed) in ``<out>/rl_data/train.jsonl``, with the same ``extra_types`` as the other splits. Questions the SFT
     never saw: on its own training questions the SFT checkpoint has partly memorised the direct answers, which
-    hides the advantage thinking has on new clips (docs/autothink.md). Reused when already complete."""
+    hides the advantage thinking has on new clips (docs/experiments/autothink.md). Reused when already
+    complete."""
     from keye.data.synth import generate_split
 
     data = out / "rl_data"
@@ -324,8 +325,9 @@ def analyse(ev: dict[str, Any], helps_ev: dict[str, Any] | None = None, helps_so
 
 
 def markdown(results: dict[str, dict[str, Any]], n: int) -> str:
-    """The README table: per checkpoint, each mode's accuracy / think rate / mean reply tokens, then auto
-    against the better fixed mode and the think-rate split; then auto's think rate per question type."""
+    """The report table (docs/experiments/autothink.md): per checkpoint, each mode's accuracy / think rate /
+    mean reply tokens, then auto against the better fixed mode and the think-rate split; then auto's think rate
+    per question type."""
     pct = lambda v: "-" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
     num = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731  (NaN: no reply of that kind)
     lines = [f"Held-out set: {n} questions (unseen seed), greedy.", "",

@@ -30,7 +30,7 @@ from their last checkpoint):
      (<final stage>/eval<k>{,_blank}), the demo's example clips, and the build report
      runs/tiny/build_report.json (every stage's and the final figures, and the linear probes of the
      vision tokens after the see stage and in the final model; ``--report-only`` prints its tables, which
-     are the README's)
+     are docs/experiments/keye-tiny-build.md's)
   8. with --install, copy into the package                              keye/assets/keye-tiny
 
 Why stages: trained on the questions alone, a from-scratch model settles on the answer priors of the
@@ -95,7 +95,8 @@ BUILD_SCENE_OPTIONS = {"detail_cut": True, "position_weight": 3.0}
 # Stage 3's drill questions: a split drawn with its own seed (no test split, RL or AutoThink run uses 11), half
 # images so position is common (6,000 clips give ~1,470 position and ~290 detail questions), of which only the
 # drilled types join stage 2's rows. From the 4,800-step stage 2, 600 such steps took position from 62.5-89.5 % to
-# 100 % on all seven splits measured and left detail where it was (37.5-69 %; README, keye-tiny).
+# 100 % on all seven splits measured and left detail where it was (37.5-69 %;
+# docs/experiments/keye-tiny-drills.md).
 DRILL_TYPES = ("position", "detail")
 DRILL_SEED = 11
 DRILL_CLIPS = 6000
@@ -248,8 +249,9 @@ def probe_figures(model_dir: Path, see: dict[str, Any] | None) -> dict[str, Any]
 
 
 def report_markdown(report: dict[str, Any]) -> str:
-    """The README tables of a build report (``runs/tiny/build_report.json``): the stages with their loss
-    curves and wall times, then real / blank / majority accuracy per question type for every test set."""
+    """The tables of a build report (``runs/tiny/build_report.json``; docs/experiments/keye-tiny-build.md):
+    the stages with their loss curves and wall times, then real / blank / majority accuracy per question type
+    for every test set."""
     lines = ["| stage | steps | samples | loss: first -> final | loss every ~10 % of the stage | minutes |",
              "|---|---|---|---|---|---|"]
     drawn = report.get("scene_options")
@@ -340,7 +342,8 @@ def main() -> int:
     ap.add_argument("--no-drills", dest="drills", action="store_false",
                     help="end at stage 2 (the build before 2026-12-06 evening): no drill stage")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
-    ap.add_argument("--report-only", action="store_true", help="print the tables of runs/tiny/build_report.json")
+    ap.add_argument("--report-only", action="store_true",
+                    help="print the tables of runs/tiny/build_report.json (docs/experiments/keye-tiny-build.md)")
     ap.add_argument("overrides", nargs="*", help="extra stage-2 SFT overrides (key=value)")
     args = ap.parse_args()
     report_path = REPO / "runs/tiny/build_report.json"
@@ -355,7 +358,7 @@ def main() -> int:
     # options redraw the questions (stage 2) and every test split, in data/synth/options. With the options
     # in every stage (one set drawn with them), direction fell to 31-76 % in three stage-2 runs on the
     # unseen seeds (the 2026-12-05 build: 84-86 %); with the perception stages on the default set it kept
-    # 64-79 % (README, keye-tiny).
+    # 64-79 % (docs/experiments/keye-tiny-stage2-and-scene-options.md).
     optioned = scene_options != DEFAULT_SCENE_OPTIONS
     questions = synth / "options" if optioned else synth
     if args.questions is not None and not optioned:

@@ -78,8 +78,9 @@ def compare(grpo: list[dict[str, Any]], rlep: list[dict[str, Any]], key: str = "
 
 def markdown(summary: dict[str, Any], grpo: list[dict[str, Any]], rlep: list[dict[str, Any]],
              sampled: dict[str, Any] | None = None) -> str:
-    """The README table: held-out accuracy (%) per evaluated step for both runs (greedy, and avg@k sampled
-    when ``sampled``, the :func:`compare` summary on ``sampled_accuracy``, is given), then the summaries."""
+    """The report table (docs/experiments/rl-grpo-vs-rlep.md): held-out accuracy (%) per evaluated step for
+    both runs (greedy, and avg@k sampled when ``sampled``, the :func:`compare` summary on ``sampled_accuracy``,
+    is given), then the summaries."""
     keys = ["accuracy"] + (["sampled_accuracy"] if sampled else [])
     by_step: dict[int, list[Any]] = {}
     for col, curve in enumerate((grpo, rlep)):
