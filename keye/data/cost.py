@@ -29,7 +29,7 @@ numbers for trained towers; only ratios matter for balancing.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -37,38 +37,44 @@ import numpy as np
 from keye.data.manifest import MediaRef, Sample
 from keye.data.probe import ProbeCache, probe_media
 from keye.errors import KeyeInputError
+from keye.model.arch import TextConfig, VisionConfig
 
 _PLACEHOLDER = re.compile(r"<\|image_pad\|>|<\|video_pad\|>")
 _TIMING_VERSION = 1
 _TYPES_VERSION = 1
 
 
+_ARCH_8B = {"vision": VisionConfig(), "text": TextConfig()}
+
+
+def _dim(part: str, name: str) -> Any:
+    """A :class:`ModelDims` field read from ``KeyeVLConfig.<part>.<name>``, defaulting to Keye-VL-8B's."""
+    return field(default=getattr(_ARCH_8B[part], name), metadata={"config": (part, name)})
+
+
 @dataclass(frozen=True)
 class ModelDims:
-    """The widths and depths FLOPs depend on (defaults: Keye-VL-8B, architecture.md §1)."""
+    """The widths and depths FLOPs depend on (defaults: Keye-VL-8B, architecture.md §1, as
+    :mod:`keye.model.arch` has them); each field names the config field it comes from."""
 
-    vision_layers: int = 27
-    vision_hidden: int = 1152
-    vision_mlp: int = 4304
-    patch_size: int = 14
-    merge_size: int = 2
-    llm_layers: int = 36
-    llm_hidden: int = 4096
-    llm_mlp: int = 12288
-    llm_heads: int = 32
-    llm_kv_heads: int = 8
-    llm_head_dim: int = 128
-    vocab_size: int = 151936
+    vision_layers: int = _dim("vision", "num_hidden_layers")
+    vision_hidden: int = _dim("vision", "hidden_size")
+    vision_mlp: int = _dim("vision", "intermediate_size")
+    patch_size: int = _dim("vision", "patch_size")
+    merge_size: int = _dim("vision", "spatial_merge_size")
+    llm_layers: int = _dim("text", "num_hidden_layers")
+    llm_hidden: int = _dim("text", "hidden_size")
+    llm_mlp: int = _dim("text", "intermediate_size")
+    llm_heads: int = _dim("text", "num_attention_heads")
+    llm_kv_heads: int = _dim("text", "num_key_value_heads")
+    llm_head_dim: int = _dim("text", "head_dim")
+    vocab_size: int = _dim("text", "vocab_size")
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
         """From a :class:`keye.config.KeyeVLConfig` (``cfg.vision`` / ``cfg.text``)."""
-        v, t = cfg.vision, cfg.text
-        return cls(
-            v.num_hidden_layers, v.hidden_size, v.intermediate_size, v.patch_size, v.spatial_merge_size,
-            t.num_hidden_layers, t.hidden_size, t.intermediate_size, t.num_attention_heads,
-            t.num_key_value_heads, t.head_dim, t.vocab_size,
-        )
+        return cls(**{f.name: getattr(getattr(cfg, f.metadata["config"][0]), f.metadata["config"][1])
+                      for f in fields(cls)})
 
 
 def vision_flops(segments: list[int], dims: ModelDims) -> float:
