@@ -28,21 +28,22 @@ from keye.rewards.registry import RewardContext, _register_builtin
 from keye.rewards.repetition import estimate_tokens, overlong_penalty, repetition_penalty
 
 
+def _scored(ctx: RewardContext, part: str, result: tuple[float, str]) -> float:
+    """The score of a ``(score, reason)`` check, its reason (if any) kept in ``ctx.info[part]``."""
+    score, reason = result
+    if reason:
+        ctx.info[part] = reason
+    return score
+
+
 def format_reward(ctx: RewardContext) -> float:
     """Format part in {0, 1}: structure and requested-mode rules of ``keye.rewards.format``."""
     spec = ctx.spec
-    value, reason = check_format(
-        ctx.response,
-        ctx.mode,
-        require_answer_tag=spec.require_answer_tag,
-        require_boxed=spec.require_boxed,
+    return _scored(ctx, "format", check_format(
+        ctx.response, ctx.mode, require_answer_tag=spec.require_answer_tag, require_boxed=spec.require_boxed,
         auto_requires_analysis=spec.auto_requires_analysis,
-        allow_empty_think_in_no_think=spec.allow_empty_think_in_no_think,
-        structure=ctx.structure,
-    )
-    if reason:
-        ctx.info["format"] = reason
-    return value
+        allow_empty_think_in_no_think=spec.allow_empty_think_in_no_think, structure=ctx.structure,
+    ))
 
 
 def accuracy_reward(ctx: RewardContext) -> float | None:
@@ -108,34 +109,29 @@ def json_reward(ctx: RewardContext) -> float | None:
     schema = inst.get("json_schema", ctx.spec.json_schema)
     if isinstance(value, dict):  # {"json": {...schema...}} is accepted as a shorthand
         schema = value
-    score, reason = _ins.check_json(ctx.visible, schema)
-    if reason:
-        ctx.info["json"] = reason
-    return score
+    return _scored(ctx, "json", _ins.check_json(ctx.visible, schema))
+
+
+def _named_instruction(ctx: RewardContext, key: str, default: str) -> str | None:
+    """The value an instruction names (``default`` when it is just switched on), None when it does not apply."""
+    applies, value = _instruction(ctx, key)
+    if not applies:
+        return None
+    return default if value is None or value is True else str(value)
 
 
 def code_reward(ctx: RewardContext) -> float | None:
     """Code part in {0, 1}: a closed fenced block of the requested language that parses (python / json)."""
-    applies, value = _instruction(ctx, "code_language")
-    if not applies:
-        return None
-    language = ctx.spec.code_language if value is None or value is True else str(value)
-    score, reason = _ins.check_code(ctx.visible, language)
-    if reason:
-        ctx.info["code"] = reason
-    return score
+    language = _named_instruction(ctx, "code_language", ctx.spec.code_language)
+    return None if language is None else _scored(ctx, "code", _ins.check_code(ctx.visible, language))
 
 
 def markdown_reward(ctx: RewardContext) -> float | None:
     """Markdown part in {0, 1}: a list (>= ``markdown_min_items`` items) or a table, as requested."""
-    applies, value = _instruction(ctx, "markdown")
-    if not applies:
+    kind = _named_instruction(ctx, "markdown", ctx.spec.markdown_kind)
+    if kind is None:
         return None
-    kind = ctx.spec.markdown_kind if value is None or value is True else str(value)
-    score, reason = _ins.check_markdown(ctx.visible, kind, ctx.spec.markdown_min_items)
-    if reason:
-        ctx.info["markdown"] = reason
-    return score
+    return _scored(ctx, "markdown", _ins.check_markdown(ctx.visible, kind, ctx.spec.markdown_min_items))
 
 
 def _window(value: Any, default_low: int, default_high: int | None, key: str) -> tuple[int, int | None]:
@@ -150,6 +146,14 @@ def _window(value: Any, default_low: int, default_high: int | None, key: str) ->
     raise KeyeInputError(f"instruction {key!r} must be an int or a [min, max] pair, got {value!r}")
 
 
+def _in_window(ctx: RewardContext, part: str, n: int, low: int, high: int | None, unit: str | None = None) -> float:
+    """1.0 when the count ``n`` is inside [low, high] (None: no upper bound), else 0.0 with the reason kept."""
+    if _ins.in_window(n, low, high):
+        return 1.0
+    ctx.info[part] = f"{n} {unit or part}, wanted [{low}, {high}]"
+    return 0.0
+
+
 def steps_reward(ctx: RewardContext) -> float | None:
     """Steps part in {0, 1}: the count of step lines in the reasoning is inside the requested window."""
     applies, value = _instruction(ctx, "steps")
@@ -158,11 +162,7 @@ def steps_reward(ctx: RewardContext) -> float | None:
     low, high = _window(value, ctx.spec.steps_min, ctx.spec.steps_max, "steps")
     st = ctx.structure
     source = st.think if st.ok and st.think is not None and st.think.strip() else ctx.visible
-    n = _ins.count_steps(_t.tail(source, ctx.spec.max_chars))
-    if _ins.in_window(n, low, high):
-        return 1.0
-    ctx.info["steps"] = f"{n} steps, wanted [{low}, {high}]"
-    return 0.0
+    return _in_window(ctx, "steps", _ins.count_steps(_t.tail(source, ctx.spec.max_chars)), low, high)
 
 
 def length_reward(ctx: RewardContext) -> float | None:
@@ -171,28 +171,17 @@ def length_reward(ctx: RewardContext) -> float | None:
     if not applies:
         return None
     low, high = _window(value, ctx.spec.length_min, ctx.spec.length_max, "length")
-    n = _t.count_words(ctx.visible)
-    if _ins.in_window(n, low, high):
-        return 1.0
-    ctx.info["length"] = f"{n} words, wanted [{low}, {high}]"
-    return 0.0
+    return _in_window(ctx, "length", _t.count_words(ctx.visible), low, high, unit="words")
 
 
 def repetition_reward(ctx: RewardContext) -> float:
     """Repetition part in [-1, 0] (rules in ``keye.rewards.repetition``), on the whole response."""
     spec = ctx.spec
-    value, reason = repetition_penalty(
-        ctx.response,
-        ngram=spec.repetition_ngram,
-        threshold=spec.repetition_threshold,
-        min_tokens=spec.repetition_min_tokens,
-        loop_max_period=spec.loop_max_period,
-        loop_min_repeats=spec.loop_min_repeats,
-        max_chars=spec.max_chars,
-    )
-    if reason:
-        ctx.info["repetition"] = reason
-    return value
+    return _scored(ctx, "repetition", repetition_penalty(
+        ctx.response, ngram=spec.repetition_ngram, threshold=spec.repetition_threshold,
+        min_tokens=spec.repetition_min_tokens, loop_max_period=spec.loop_max_period,
+        loop_min_repeats=spec.loop_min_repeats, max_chars=spec.max_chars,
+    ))
 
 
 def overlong_reward(ctx: RewardContext) -> float:
