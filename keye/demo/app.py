@@ -28,16 +28,7 @@ import gradio as gr
 from keye.demo.engine import ModelHost, quiet_transformers
 from keye.demo.examples import load_examples
 from keye.demo.frames import seen_frames, token_summary
-from keye.demo.session import (
-    MODES,
-    ChatSession,
-    SamplingSettings,
-    VideoSettings,
-    check_media,
-    reply_stats,
-    split_partial,
-    stream_reply,
-)
+from keye.demo.session import MODES, ChatSession, SamplingSettings, VideoSettings, split_partial, stream_reply
 from keye.errors import KeyeError
 
 log = logging.getLogger("keye.demo")
@@ -225,24 +216,14 @@ def make_respond(host: ModelHost, max_video_seconds: float | None, frame_dir: st
                 # New media, new conversation: earlier turns were about other pictures.
                 state = {
                     "key": key,
-                    "session": ChatSession(media=check_media(paths, max_video_seconds)),
+                    "session": ChatSession.for_files(paths, max_video_seconds),
                     "display": [],
                 }
-            video = VideoSettings(
-                fps=float(fps),
-                max_frames=int(max_frames),
-                token_budget=int(token_budget),
-                slow_fast=bool(slow_fast),
-                min_frame_similarity=float(similarity),
-            )
-            sampling = SamplingSettings(
-                max_new_tokens=int(max_new_tokens),
-                greedy=bool(greedy),
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                repetition_penalty=float(repetition_penalty),
-            )
+            video = VideoSettings(fps=float(fps), max_frames=int(max_frames), token_budget=int(token_budget),
+                                  slow_fast=bool(slow_fast), min_frame_similarity=float(similarity))
+            sampling = SamplingSettings(max_new_tokens=int(max_new_tokens), greedy=bool(greedy),
+                                        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                                        repetition_penalty=float(repetition_penalty))
             sampling.kwargs()
             session: ChatSession = state["session"]
             batch = host.processor(session.messages(question, video), mode=mode if mode in MODES else None)
@@ -266,9 +247,7 @@ def make_respond(host: ModelHost, max_video_seconds: float | None, frame_dir: st
                 text += piece
                 yield (display + _turn_messages(question, text, False), state, skip, skip, skip, skip)
             gen = {"tokens": stats["tokens"], "seconds": time.perf_counter() - t0, "first": first or 0.0}
-            parsed = host.processor.parse_response(text)
-            session.turns.append((question, parsed.answer))
-            reply = reply_stats(text, stats["tokens"], getattr(host.processor, "tokenizer", None))
+            _, reply = session.finish_turn(question, text, host.processor, stats["tokens"])
             state["display"] = display + _turn_messages(question, text, True, reply)
             yield (state["display"], state, _alert(""), gallery, _summary_markdown(summary, gen), "")
         except KeyeError as err:

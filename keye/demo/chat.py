@@ -13,17 +13,8 @@ from typing import Any, TextIO
 
 import torch
 
-from keye.demo.engine import ModelHost, quiet_transformers
-from keye.demo.session import (
-    MODES,
-    ChatSession,
-    SamplingSettings,
-    VideoSettings,
-    check_media,
-    reply_stats,
-    split_partial,
-    stream_reply,
-)
+from keye.demo.engine import ModelHost, add_model_arguments, quiet_transformers
+from keye.demo.session import MODES, ChatSession, SamplingSettings, VideoSettings, split_partial, stream_reply
 from keye.errors import KeyeError, KeyeInputError
 
 _DIM, _RESET = "\033[2m", "\033[0m"
@@ -32,13 +23,12 @@ _DIM, _RESET = "\033[2m", "\033[0m"
 def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``keye chat`` on ``subparsers`` and return its parser."""
     c = subparsers.add_parser(
-        "chat",
-        help="ask a Keye-VL checkpoint about videos / images (streamed; interactive without a question)",
+        "chat", help="ask a Keye-VL checkpoint about videos / images (streamed; interactive without a question)",
         description="Stream a Keye-VL answer to a question about videos and images. Without a question, "
         "start an interactive multi-turn chat about the same media.",
     )
     c.add_argument("text", nargs="?", default=None, help="the question (omit for an interactive chat)")
-    c.add_argument("--model", default="keye-tiny", help="checkpoint directory, hub id or keye-tiny (default)")
+    add_model_arguments(c)
     c.add_argument("--video", action="append", default=[], help="video file (repeatable)")
     c.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     c.add_argument(
@@ -67,7 +57,6 @@ def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=50)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    c.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     c.add_argument("--max-video-seconds", type=float, default=None, help="refuse longer videos")
     c.add_argument("--json", action="store_true", help="print the parsed reply (think/answer/boxed) as JSON")
     c.set_defaults(func=run_chat)
@@ -143,12 +132,10 @@ def _ask(host: ModelHost, session: ChatSession, question: str, args: argparse.Na
         text += piece
         if printer is not None:
             printer.update(text)
-    reply = reply_stats(text, gen["tokens"], getattr(host.processor, "tokenizer", None))
+    parsed, reply = session.finish_turn(question, text, host.processor, gen["tokens"])
     if printer is not None:
         printer.finish()
         printer.footer(reply["line"])
-    parsed = host.processor.parse_response(text)
-    session.turns.append((question, parsed.answer))
     if quiet:
         extra = {k: reply[k] for k in ("reply_tokens", "think_tokens")}
         print(json.dumps({**vars(parsed), **extra}, indent=1, ensure_ascii=False))
@@ -159,12 +146,11 @@ def run_chat(args: argparse.Namespace) -> int:
     """Entry point of ``keye chat``; returns the exit code. Errors are :class:`keye.errors.KeyeError`
     (printed as one line with exit code 1 by ``keye.cli.main``)."""
     _settings(args)
-    media = check_media([*args.video, *args.image], args.max_video_seconds)
+    session = ChatSession.for_files([*args.video, *args.image], args.max_video_seconds)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     quiet_transformers()
     host = ModelHost(args.model, device=args.device).load_now()
-    session = ChatSession(media=media)
     if args.text is not None:
         _ask(host, session, args.text, args, quiet=args.json)
         return 0

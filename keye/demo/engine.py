@@ -12,6 +12,13 @@ from keye.hub import TINY_NAME as TINY
 from keye.hub import resolve_model_path
 
 
+def add_model_arguments(parser: Any) -> None:
+    """Add ``--model`` (a checkpoint directory, hub id or keye-tiny, the default) and ``--device`` to an
+    argparse parser, as :class:`ModelHost` takes them (``keye demo``, ``keye chat``, ``keye serve``)."""
+    parser.add_argument("--model", default=TINY, help="checkpoint directory, hub id or keye-tiny (default)")
+    parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+
+
 def resolve_model(name: str | None) -> str:
     """Checkpoint location for ``--model``: ``None`` / ``"keye-tiny"`` -> the embedded keye-tiny directory;
     anything else (a local directory or a hub id ``owner/name``) is returned unchanged.

@@ -164,6 +164,21 @@ class ChatSession:
     media: list[tuple[str, str]] = field(default_factory=list)
     turns: list[tuple[str, str]] = field(default_factory=list)
 
+    @classmethod
+    def for_files(cls, paths: Sequence[str | Path], max_video_seconds: float | None = None) -> ChatSession:
+        """A new conversation about the files ``paths``, checked first (:func:`check_media`, which raises
+        :class:`KeyeInputError` naming a bad file)."""
+        return cls(media=check_media(paths, max_video_seconds))
+
+    def finish_turn(self, question: str, text: str, processor: Any,
+                    generated_tokens: int | None) -> tuple[Any, dict[str, Any]]:
+        """Record a finished reply to ``question``: ``text`` is parsed with ``processor.parse_response`` and
+        ``(question, answer)`` appended to :attr:`turns`. Returns ``(parsed, stats)``, ``stats`` being
+        :func:`reply_stats` of the reply (its ``line`` is what the UIs print under the answer)."""
+        parsed = processor.parse_response(text)
+        self.turns.append((question, parsed.answer))
+        return parsed, reply_stats(text, generated_tokens, getattr(processor, "tokenizer", None))
+
     def messages(self, question: str, video: VideoSettings | None = None) -> list[dict[str, Any]]:
         """The conversation ending in a new user ``question`` (qwen-vl-utils message form)."""
         if not question.strip():

@@ -9,17 +9,17 @@ from typing import Any
 
 def add_commands(subparsers: Any) -> None:
     """Register ``keye serve``."""
+    from keye.demo.engine import add_model_arguments
+
     s = subparsers.add_parser(
-        "serve",
-        help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models)",
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models)",
         description="Serve a Keye checkpoint (default: the embedded keye-tiny, offline) behind OpenAI's chat "
         "completions API, with images and videos, streaming, thinking modes and batched concurrent requests.",
     )
-    s.add_argument("--model", default="keye-tiny", help="checkpoint directory, hub id or keye-tiny (default)")
+    add_model_arguments(s)
     s.add_argument("--served-model-name", default=None, help="model id reported by /v1/models (default: --model)")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     s.add_argument("--dtype", default="auto", help="weights dtype on GPU (CPU always runs float32)")
     s.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (n choices count as n rows)")
     s.add_argument("--batch-window-ms", type=float, default=10.0, help="wait this long for more requests to batch")
