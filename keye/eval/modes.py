@@ -330,6 +330,23 @@ def _tok(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
+# Report column -> (summary field, how it prints), for the rows of :func:`breakdown_tables`.
+_STAT_COLUMNS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "replies": ("replies", lambda v: v),
+    "think rate %": ("think_rate", _pct),
+    "accuracy %": ("accuracy", _pct),
+    "accuracy thinking %": ("accuracy_think", _pct),
+    "accuracy direct %": ("accuracy_direct", _pct),
+    "mean reply tokens": ("mean_reply_tokens", _tok),
+    "mean think tokens": ("mean_think_tokens", _tok),
+}
+
+
+def _stat_cells(s: Mapping[str, Any], *columns: str) -> dict[str, Any]:
+    """The named report columns of one :func:`summarise` result, in the order given."""
+    return {c: _STAT_COLUMNS[c][1](s[_STAT_COLUMNS[c][0]]) for c in columns}
+
+
 def breakdown_tables(breakdown: Mapping[str, Any], group_name: str = "question_type") -> dict[str, list]:
     """Report tables (see :mod:`keye.eval.report`) of a :func:`mode_breakdown`.
 
@@ -341,15 +358,8 @@ def breakdown_tables(breakdown: Mapping[str, Any], group_name: str = "question_t
     total = breakdown["overall"]["replies"]
 
     def _row(name_key: str, name: str, s: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            name_key: name,
-            "replies": s["replies"],
-            "share %": _pct(s["replies"] / total) if total else None,
-            "think rate %": _pct(s["think_rate"]),
-            "accuracy %": _pct(s["accuracy"]),
-            "mean reply tokens": _tok(s["mean_reply_tokens"]),
-            "mean think tokens": _tok(s["mean_think_tokens"]),
-        }
+        return {name_key: name, "replies": s["replies"], "share %": _pct(s["replies"] / total) if total else None,
+                **_stat_cells(s, "think rate %", "accuracy %", "mean reply tokens", "mean think tokens")}
 
     tables: dict[str, list] = {
         "thinking mode": [_row("mode used", f"all (requested: {requested})", breakdown["overall"])]
@@ -357,33 +367,15 @@ def breakdown_tables(breakdown: Mapping[str, Any], group_name: str = "question_t
     }
     if breakdown["group"]:
         tables[f"thinking mode by {group_name}"] = [
-            {
-                group_name: g,
-                "replies": s["replies"],
-                "think rate %": _pct(s["think_rate"]),
-                "accuracy %": _pct(s["accuracy"]),
-                "accuracy thinking %": _pct(s["accuracy_think"]),
-                "accuracy direct %": _pct(s["accuracy_direct"]),
-                "mean reply tokens": _tok(s["mean_reply_tokens"]),
-                "mean think tokens": _tok(s["mean_think_tokens"]),
-            }
-            for g, s in breakdown["group"].items()
+            {group_name: g, **_stat_cells(s, *_STAT_COLUMNS)} for g, s in breakdown["group"].items()
         ]
     if breakdown.get("difficulty") is not None:
         lo, hi = breakdown["edges"]
         ranges = {"easy": f"p >= {hi:g}", "medium": f"{lo:g} <= p < {hi:g}", "hard": f"p < {lo:g}",
                   UNRATED: "no reference"}
         tables["difficulty (pass-rate buckets)"] = [
-            {
-                "bucket": b,
-                "pass rate": ranges[b],
-                "questions": s["questions"],
-                "replies": s["replies"],
-                "accuracy %": _pct(s["accuracy"]),
-                "think rate %": _pct(s["think_rate"]),
-                "mean reply tokens": _tok(s["mean_reply_tokens"]),
-                "mean think tokens": _tok(s["mean_think_tokens"]),
-            }
+            {"bucket": b, "pass rate": ranges[b], "questions": s["questions"],
+             **_stat_cells(s, "replies", "accuracy %", "think rate %", "mean reply tokens", "mean think tokens")}
             for b, s in breakdown["difficulty"].items()
         ]
     return tables
