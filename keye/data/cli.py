@@ -197,14 +197,8 @@ def _synth(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     paths = generate(
-        args.out,
-        train=args.train,
-        test=args.test,
-        seed=args.seed,
-        workers=args.workers,
-        image_fraction=args.image_fraction,
-        progress=not args.no_progress,
-        warmup=args.warmup,
+        args.out, train=args.train, test=args.test, seed=args.seed, workers=args.workers,
+        image_fraction=args.image_fraction, progress=not args.no_progress, warmup=args.warmup,
         modes=args.modes, auto_labels=args.auto_labels, extra_types=parse_type_weights(args.extra_type),
         places=args.places, detail_cut=args.detail_cut, position_weight=args.position_weight,
     )
@@ -220,15 +214,8 @@ def _clip_filter(args: argparse.Namespace) -> int:
 
     scorer = ClipScorer.load(args.model, args.checkpoint, model_config=args.model_config, device=args.device)
     rep = clip_filter_manifest(
-        args.manifest,
-        args.out,
-        scorer,
-        threshold=args.threshold,
-        root=args.root,
-        score=args.score,
-        text_from=args.text_from,
-        drop_non_pairs=args.drop_non_pairs,
-        batch_size=args.batch_size,
+        args.manifest, args.out, scorer, threshold=args.threshold, root=args.root, score=args.score,
+        text_from=args.text_from, drop_non_pairs=args.drop_non_pairs, batch_size=args.batch_size,
     )
     for b in rep.bad:
         print(f"bad: {b}", file=sys.stderr)

@@ -478,18 +478,8 @@ def build_dataloader(
     if group_key is not None:
         groups = [s.row.get(group_key) for s in man.samples]
     sampler = BalancedSampler(
-        tokens,
-        flops,
-        world_size=world_size,
-        rank=rank,
-        batch_size=batch_size,
-        batch_tokens=batch_tokens,
-        micro_batches=micro_batches,
-        groups=groups,
-        exclude=excluded,
-        seed=seed,
-        shuffle=shuffle,
-        fill=fill,
+        tokens, flops, world_size=world_size, rank=rank, batch_size=batch_size, batch_tokens=batch_tokens,
+        micro_batches=micro_batches, groups=groups, exclude=excluded, seed=seed, shuffle=shuffle, fill=fill,
         length_grouped=not packing and batch_size is not None and micro_batches > 1,
     )
     for i in sampler.too_long:

@@ -33,12 +33,7 @@ from keye.errors import KeyeConfigError, KeyeInputError
 
 BENCHMARKS = ("mmmu", "mathvista", "videoqa", "synth")
 # The record field each benchmark's "thinking mode by ..." table groups by.
-MODE_GROUP_KEYS = {
-    "mmmu": "subject",
-    "mathvista": "question_type",
-    "videoqa": "duration",
-    "synth": "question_type",
-}
+MODE_GROUP_KEYS = {"mmmu": "subject", "mathvista": "question_type", "videoqa": "duration", "synth": "question_type"}
 
 
 # ------------------------------------------------------------------------------------------- parsers
@@ -364,15 +359,8 @@ def _finish(
         with open(out / "modes.jsonl", "w", encoding="utf-8") as f:
             for row in mode_section[2]:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    paths = write_report(
-        out,
-        benchmark=benchmark,
-        model_id=model_id,
-        config=config,
-        overall=overall,
-        tables=tables,
-        official=official,
-    )
+    paths = write_report(out, benchmark=benchmark, model_id=model_id, config=config, overall=overall,
+                         tables=tables, official=official)
     print(f"report: {paths['md']}")
 
 

@@ -50,12 +50,7 @@ def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
 
 
 def eager_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool = False
 ) -> torch.Tensor:
     """Plain-math attention with the softmax in float32 (as the official eager path).
 
@@ -141,14 +136,8 @@ def varlen_attention(
 
 
 def padded_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    *,
-    scale: float,
-    causal: bool = True,
-    backend: str = "sdpa",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+    *, scale: float, causal: bool = True, backend: str = "sdpa",
 ) -> torch.Tensor:
     """Decoder attention over a (possibly left-padded) batch, with or without a KV cache.
 

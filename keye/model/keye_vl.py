@@ -306,12 +306,9 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         return embeds.masked_scatter(mask[..., None], feats.to(embeds.dtype))
 
     def embed(
-        self,
-        input_ids: torch.Tensor,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings with image/video features written into their placeholder slots.
 
@@ -361,12 +358,9 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
 
     # ------------------------------------------------------------------------------ positions
     def get_rope_index(
-        self,
-        input_ids: torch.Tensor,
-        image_grid_thw: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
-        second_per_grid_ts: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
         seq_lens: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """3-D positions [3, B, L] and rope deltas [B, 1]; see :func:`keye.model.rope.get_rope_index`."""

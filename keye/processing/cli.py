@@ -23,8 +23,7 @@ def _default_dir() -> str | None:
 def add_commands(subparsers: Any) -> None:
     """Register ``keye process``."""
     p = subparsers.add_parser(
-        "process",
-        help="show token counts, sampled frames, slow/fast types and grids for a message JSON file",
+        "process", help="show token counts, sampled frames, slow/fast types and grids for a message JSON file",
         description="Run KeyeProcessor on a JSON file holding one conversation (a list of messages) or a "
         "list of conversations, and print a JSON summary (no pixels).",
     )

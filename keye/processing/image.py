@@ -254,10 +254,8 @@ def fetch_image(
     src: Any,
     variant: str = PREVIEW,
     *,
-    min_pixels: float | None = None,
-    max_pixels: float | None = None,
-    resized_height: int | None = None,
-    resized_width: int | None = None,
+    min_pixels: float | None = None, max_pixels: float | None = None,
+    resized_height: int | None = None, resized_width: int | None = None,
     item: Any = None,
 ) -> Image.Image:
     """Stage 1 (keye-vl-utils ``fetch_image``): :func:`load_image` then :func:`prepare_image`.
@@ -266,26 +264,16 @@ def fetch_image(
     """
     img = load_image(src, variant, item)
     path = src if isinstance(src, (str, Path)) else None
-    return prepare_image(
-        img,
-        variant,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        resized_height=resized_height,
-        resized_width=resized_width,
-        item=item,
-        path=path,
-    )
+    return prepare_image(img, variant, min_pixels=min_pixels, max_pixels=max_pixels, resized_height=resized_height,
+                         resized_width=resized_width, item=item, path=path)
 
 
 def prepare_image(
     img: Image.Image,
     variant: str = PREVIEW,
     *,
-    min_pixels: float | None = None,
-    max_pixels: float | None = None,
-    resized_height: int | None = None,
-    resized_width: int | None = None,
+    min_pixels: float | None = None, max_pixels: float | None = None,
+    resized_height: int | None = None, resized_width: int | None = None,
     item: Any = None,
     path: Any = None,
 ) -> Image.Image:
@@ -512,10 +500,8 @@ def image_grid_for_size(
     width: int,
     variant: str = PREVIEW,
     *,
-    min_pixels: float | None = None,
-    max_pixels: float | None = None,
-    resized_height: int | None = None,
-    resized_width: int | None = None,
+    min_pixels: float | None = None, max_pixels: float | None = None,
+    resized_height: int | None = None, resized_width: int | None = None,
     processor_config: ImageProcessorConfig | None = None,
 ) -> tuple[int, int, int]:
     """Grid ``(1, h, w)`` in 14-pixel patches an image of ``height x width`` gets, without decoding it.

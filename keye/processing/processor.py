@@ -389,14 +389,8 @@ class KeyeProcessor:
         opts = self.video_options(content, item=where)
         video = fetch_video(content.get("video"), opts, self.variant, backend=self.video_backend, item=where)
         common = dict(
-            row=row,
-            index=index,
-            source=video.source,
-            backend=video.backend,
-            indices=video.indices,
-            timestamps=video.timestamps,
-            sample_fps=video.sample_fps,
-            video_fps=video.video_fps,
+            row=row, index=index, source=video.source, backend=video.backend, indices=video.indices,
+            timestamps=video.timestamps, sample_fps=video.sample_fps, video_fps=video.video_fps,
             total_frames=video.total_frames,
         )
         if self.variant == PREVIEW:
