@@ -8,9 +8,9 @@ of questions with references (e.g. ``keye data synth``'s ``train.jsonl``):
 1. **solver**: the question with ``/no_think`` appended (Keye's switch, also Qwen3's): a direct answer.
 2. **thinker**: the question with ``/think``: a reasoning trace and an answer.
 3. **critic**: a *rule check* scores both answers against the reference with the synthetic set's scorer
-   (:func:`keye.data.synth_answers.extract` + :func:`keye.data.synth_answers.is_correct`: deterministic, no model), and, unless
-   switched off, an *LLM critic* call on the critic endpoint judges both too and writes the row's analysis
-   sentence. Its verdict is always recorded; which one decides is ``decide_by``:
+   (:func:`keye.data.synth_answers.extract` + :func:`keye.data.synth_answers.is_correct`: deterministic, no
+   model), and, unless switched off, an *LLM critic* call on the critic endpoint judges both too and writes
+   the row's analysis sentence. Its verdict is always recorded; which one decides is ``decide_by``:
 
    - ``"rule"`` (default): the rule check decides; the LLM verdict is recorded with ``agrees``. Rules do
      not hallucinate, and keye-tiny-sized critics would.

@@ -330,9 +330,10 @@ def rule_extract(response: str, problem: Mapping[str, Any]) -> str:
     ``answer:``, ``final answer is``, ``correct option is``, ...; case-insensitive), or the whole response.
 
     - multiple choice: a standalone uppercase letter opening the tail (``B``, ``(B) text``, ``**B**``,
-      ``B. text``; see :func:`keye.rewards.answers.leading_letter`) that names a choice; else the last ``(x)`` in the response, returned as
-      ``"(x)"`` for the official normaliser; else the choice text that occurs last in the tail, then in the
-      response (longest on ties); else the tail, left to the official Levenshtein matching.
+      ``B. text``; see :func:`keye.rewards.answers.leading_letter`) that names a choice; else the last
+      ``(x)`` in the response, returned as ``"(x)"`` for the official normaliser; else the choice text that
+      occurs last in the tail, then in the response (longest on ties); else the tail, left to the official
+      Levenshtein matching.
     - integer / float: :func:`keye.rewards.answers.final_number`: the first number of the tail after an
       answer cue, else the last number of the response (thousands commas removed, ``a/b`` divided out).
     - list: the last ``[...]`` in the response, re-joined with ``", "`` (``[1,2]`` -> ``[1, 2]``); else the
