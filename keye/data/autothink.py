@@ -440,12 +440,13 @@ def with_suffix(messages: list[dict[str, Any]], suffix: str) -> list[dict[str, A
     """Return ``messages`` with any ``/think`` / ``/no_think`` switch removed from the last user text and
     ``suffix`` appended there (:func:`keye.processing.chat.apply_mode` for the two switches)."""
     from keye.processing.chat import apply_mode, edit_last_user_text
+    from keye.rewards.format import split_mode_switch
 
     plain = apply_mode(messages, "auto")
     if not suffix:
         return plain
-    mode = {"/think": "think", "/no_think": "no_think"}.get(suffix.strip())
-    if mode is not None:
+    rest, mode = split_mode_switch(suffix)
+    if mode is not None and not rest.strip():
         return apply_mode(plain, mode)
     # Any other suffix (a different model family's switch) is appended the same way as text.
     return edit_last_user_text(plain, lambda text: text + suffix)
