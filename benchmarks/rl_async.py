@@ -1,12 +1,12 @@
 """RL throughput of asynchronous (SeamlessFlow-style) vs synchronous rollouts.
 
 Part (a), measured on this machine: :func:`keye.rl.distributed.streaming.train_async` on keye-tiny with a local Ray cluster
-(the rollout worker, a :class:`keye.rl.distributed.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
+(the rollout worker, a :class:`keye.rl.rollout.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
 learner group of one rank, ``rl.ray.learners=1``, in another with one torch thread), synchronous
 (``rl.max_staleness=0``: only the batch of the current weights is generated, so nothing is generated while the
 learner trains) vs asynchronous (``rl.max_staleness`` ``--staleness``: the next batch is generated during the
 update and unfinished answers continue under the new weights). Both run the same code, prompts, seeds and
-answer lengths; the lengths are long-tailed: :class:`keye.rl.distributed.stream_worker.AnswerLengths` (``--a-mu``,
+answer lengths; the lengths are long-tailed: :class:`keye.rl.rollout.stream_worker.AnswerLengths` (``--a-mu``,
 ``--a-sigma``, capped at ``--a-max-tokens``) forces each answer's length (EOS masked until then). Throughput
 is trained answers per second over the updates after ``--a-warmup`` (worker start-up and first batches
 excluded), the median of ``--a-repeats`` runs of each mode, run alternately.
@@ -133,15 +133,15 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     (``staleness``), ``repeats`` runs each, alternating; returns ``{"sync": [...], "async": [...]}``.
 
     Each run: ``steps`` updates of ``prompts`` x ``group`` answers whose lengths are forced by
-    :class:`keye.rl.distributed.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
+    :class:`keye.rl.rollout.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
     run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs: one for the
     learner actor, one for the rollout actor, each with one torch thread; the driver only schedules and
     scores)."""
     import ray
 
-    from keye.rl.distributed.streaming import train_async
     from keye.rl.config import RLEPConfig
-    from keye.rl.distributed.stream_worker import AnswerLengths
+    from keye.rl.distributed.streaming import train_async
+    from keye.rl.rollout.stream_worker import AnswerLengths
     from keye.train.config import load_config
 
     if warmup < 1 or steps <= warmup:

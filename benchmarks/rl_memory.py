@@ -1,4 +1,5 @@
 """Peak memory per rank of one RL learner step, FSDP2 (sharded) vs replicated (``ddp``), on 2 ranks.
+from keye.rl.rollout.settings import SamplingSettings
 
 A random Keye-VL 1.5 (by default a 12-layer 512-wide decoder, 38.5 M parameters, vocabulary 520, the tiny
 vision tower) in float32 on CPU, sized so that parameters + gradients + AdamW moments dominate the step, as
@@ -110,11 +111,11 @@ def build_samples(ckpt: Path, out: Path, *, prompts: int, group: int, new_tokens
     of both signs, and save ``{"samples", "pad_id"}`` to ``out`` (``torch.save``); returns ``out``."""
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.rl import LocalRollout
+    from keye.rl import LocalRollout, SamplingSettings
 
     model = KeyeVL.from_pretrained(ckpt, torch_dtype="float32")
     proc = KeyeProcessor.from_pretrained(ckpt)
-    engine = LocalRollout(model, proc, max_new_tokens=new_tokens, seed=3)
+    engine = LocalRollout(model, proc, SamplingSettings(max_new_tokens=new_tokens), seed=3)
     samples = engine.generate(make_prompts(prompts), group)
     for i, s in enumerate(samples):
         s.reward, s.passed = float((i * 5) % 3), bool(i % 2)
@@ -168,7 +169,7 @@ def worker(out_dir: Path, ckpt: Path, samples_path: Path, overrides: list[str], 
     del payload
     gc.collect()
     base = current_rss_mib()
-    learner = Learner(cfg, info, model_path=ckpt)
+    learner = Learner.from_config(cfg, info, model_path=ckpt)
     built = current_rss_mib() - base
     logp_sums, grad_norms, seconds, peak = [], [], [], 0.0
     for step in range(steps):
@@ -235,9 +236,9 @@ def plan_mib(ckpt: Path, samples_path: Path, overrides: list[str]) -> float:
     image per row, float32, no reference, no overhead line."""
     from keye.config import KeyeVLConfig
     from keye.rl.config import RLEPConfig
-    from keye.train.logprobs import DEFAULT_CHUNK_TOKENS
     from keye.rl.learner.plan import plan_memory
     from keye.train.config import load_config
+    from keye.train.logprobs import DEFAULT_CHUNK_TOKENS
 
     cfg = load_config(RLEPConfig, None, overrides)
     micro, new = cfg.algorithm.micro_batch_size, cfg.rollout.max_new_tokens

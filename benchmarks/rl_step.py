@@ -37,6 +37,7 @@ from keye.rl import (
     fill_logprobs,
     set_scores,
 )
+from keye.rl.rollout.settings import SamplingSettings
 from keye.testing.model import init_unit_scale
 from keye.testing.processor import make_tiny_processor_dir
 
@@ -93,7 +94,7 @@ def main() -> None:
         for k in range(3):
             answer = f"<think>adding step {k}</think>The answer is {p.reference}"
             pool.add(ReplayEntry(p.id, answer, None, 1.0, {"mode": p.mode}))
-    engine = LocalRollout(model, processor, max_new_tokens=args.new_tokens, seed=0, max_batch_size=64)
+    engine = LocalRollout(model, processor, SamplingSettings(max_new_tokens=args.new_tokens, max_batch_size=64), seed=0)
     scorer = RewardScorer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     pad = processor.pad_token_id

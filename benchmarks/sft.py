@@ -47,9 +47,9 @@ def make_checkpoint(root: Path) -> Path:
 
 
 def run_sft(ckpt: Path, manifest: Path, out: Path, steps: int, *extra: str) -> dict:
-    from keye.train.config import load_config
-    from keye.sft.config import SFTConfig
     from keye.recipes.sft import train
+    from keye.sft.config import SFTConfig
+    from keye.train.config import load_config
 
     cfg = load_config(SFTConfig, None, [
         f"model.path={ckpt}", f"data.manifest={manifest}", f"train.max_steps={steps}", "train.lr=1e-3",
@@ -66,7 +66,7 @@ def _peak_child(ckpt: str, manifest: str, checkpointing: bool, queue) -> None:
     from keye.data.loader import build_dataloader
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.sft.step import model_inputs
+    from keye.sft.inputs import model_inputs
 
     model = KeyeVL.from_pretrained(ckpt).train()
     if checkpointing:

@@ -26,9 +26,9 @@ import torch
 from tree import make_group, make_model
 
 from keye.data.collate import collate_packed
-from keye.train.tree import build_tree
-from keye.sft.step import model_inputs
+from keye.sft.inputs import model_inputs
 from keye.sft.trees import target_tokens, tree_loss, unshared_batch
+from keye.train.tree import build_tree
 
 CPU = torch.device("cpu")
 

@@ -25,8 +25,8 @@ import time
 import torch
 
 from keye.config import TextConfig, VisionConfig, tiny_config
-from keye.train.tree import VisionInputs, branch_logprobs, build_group_tree, tree_logprobs
 from keye.testing.model import init_unit_scale
+from keye.train.tree import VisionInputs, branch_logprobs, build_group_tree, tree_logprobs
 
 
 def make_model(variant: str):

@@ -254,9 +254,10 @@ def check_vllm(device: str, model_path: str | None, max_diff: float, gpu_memory_
         return Row(name, "SKIP", note="needs --model (a Keye-VL checkpoint vLLM can load)")
     from keye import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.train.logprobs import token_logprobs
-    from keye.rl.rollout.samples import RLPrompt, collate_samples
     from keye.rl.rollout.engines import VLLMRollout
+    from keye.rl.rollout.samples import RLPrompt, collate_samples
+    from keye.rl.rollout.settings import SamplingSettings
+    from keye.train.logprobs import token_logprobs
 
     temperature = 1.0
     processor = KeyeProcessor.from_pretrained(model_path)
@@ -265,8 +266,7 @@ def check_vllm(device: str, model_path: str | None, max_diff: float, gpu_memory_
                RLPrompt("t2", [{"role": "user", "content": "Name three prime numbers."}], mode="no_think"),
                RLPrompt("i1", [{"role": "user", "content": [{"type": "image", "image": img},
                                                             {"type": "text", "text": "Describe the image."}]}])]
-    engine = VLLMRollout(model_path, processor, max_new_tokens=64, temperature=temperature, seed=0,
-                         gpu_memory_utilization=gpu_memory_utilization, max_model_len=4096, dtype="bfloat16")
+    engine = VLLMRollout(model_path, processor, SamplingSettings(max_new_tokens=64, temperature=temperature), seed=0, gpu_memory_utilization=gpu_memory_utilization, max_model_len=4096, dtype="bfloat16")
     samples = engine.generate(prompts, 2)
     del engine
     gc.collect()

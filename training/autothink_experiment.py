@@ -183,12 +183,12 @@ def rl_available() -> bool:
     if importlib.util.find_spec("keye.rl.algorithms.autothink") is None:
         return False
     import dataclasses
+    from typing import get_type_hints
 
     from keye.rl.algorithms import autothink
-    from keye.recipes import rlep
+    from keye.rl.config import RLEPConfig
 
-    algo = next((f.type for f in dataclasses.fields(rlep.RLEPConfig) if f.name == "algorithm"), None)
-    algo_cls = getattr(rlep, algo, None) if isinstance(algo, str) else algo
+    algo_cls = get_type_hints(RLEPConfig).get("algorithm")
     return hasattr(autothink, "AutoThinkConfig") and algo_cls is not None and any(
         f.name == "autothink" for f in dataclasses.fields(algo_cls))
 

@@ -1,4 +1,5 @@
 """Why sampled thinking loses what greedy thinking gains: where think replies go wrong, greedy vs sampled.
+from keye.rl.rollout.settings import SamplingSettings
 
 For one checkpoint and a held-out manifest written by ``keye data synth --modes`` (each row carries its exact
 reference trace in ``modes.think``), samples ``--samples`` replies per question in think and in no_think mode
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from keye.processing.chat import parse_response
     from keye.processing.processor import KeyeProcessor
     from keye.rewards import RewardSpec
-    from keye.rl import LocalRollout, load_rl_prompts
+    from keye.rl import LocalRollout, SamplingSettings, load_rl_prompts
     from keye.rl.algorithms.autothink import expand
     from keye.rl.rollout.scoring import RewardScorer
 
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     decodings = [("greedy", 1e-4, 1), (f"T={args.temperature:g}", args.temperature, args.samples)]
     for name, temperature, count in decodings:
         # at temperature 1e-4 a token 1e-3 below the arg-max logit is drawn with probability ~exp(-10)
-        engine = LocalRollout(model, proc, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                              seed=args.seed)
+        engine = LocalRollout(model, proc, SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=temperature), seed=args.seed)
         for mode, role in (("think", "think"), ("no_think", "direct")):
             samples = engine.generate(roles[role], count)
             scores = scorer(samples)

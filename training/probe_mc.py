@@ -101,7 +101,7 @@ def question_rows(manifest: Path, open_answer: bool) -> list[dict[str, Any]]:
 def cached_batches(rows: list[dict[str, Any]], path: Path, processor: Any, root: Path, batch_tokens: int,
                    shuffle: bool) -> list[dict[str, Any]]:
     from keye.data.loader import build_dataloader
-    from keye.sft.step import MODEL_INPUT_KEYS
+    from keye.sft.inputs import MODEL_INPUT_KEYS
 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     loader = build_dataloader(path, processor, root=root, batch_tokens=batch_tokens, num_workers=0,
@@ -113,7 +113,7 @@ def cached_batches(rows: list[dict[str, Any]], path: Path, processor: Any, root:
 def first_token_accuracy(model: Any, batches: list[dict[str, Any]], blank: bool = False) -> list[tuple[int, int]]:
     """(correct, total) of the first token of every assistant turn, indexed by the turn's number in its
     sample (0 = first answer)."""
-    from keye.sft.step import MODEL_INPUT_KEYS
+    from keye.sft.inputs import MODEL_INPUT_KEYS
 
     stats: list[list[int]] = []
     model.eval()
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     model = KeyeVL.from_pretrained(path, torch_dtype="float32")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    from keye.sft.step import MODEL_INPUT_KEYS
+    from keye.sft.inputs import MODEL_INPUT_KEYS
 
     curve: list[dict[str, Any]] = []
 

@@ -6,18 +6,21 @@ Launch::
     keye train rlep --config training/configs/tiny_synth_rlep.yaml                 # one CPU, minutes
     torchrun --nproc_per_node 8 -m keye train rlep --config training/configs/keye_vl_8b_rlep.yaml
 
-This module is the recipe: the config entry points and :func:`train`, a short loop over named components that
-live in their own modules under ``keye/rl/`` (docs/rl_learner.md, "Module layout"):
+This module is the recipe: the config entry points and :func:`train`, ONE loop for every engine over named
+components that live in their own modules under ``keye/rl/`` (docs/architecture.md, "Training layers"):
 
 - config (:mod:`keye.rl.config`): the YAML sections, :class:`RLEPConfig`, :func:`validate`;
-- components (:mod:`keye.rl.loop.components`): the learner, the rollout engine, the whole-weight models, the weight
-  sync, built in this process group or as Ray actors (:mod:`keye.rl.distributed`);
-- rollout (:mod:`keye.rl.loop.batcher`): prompts -> sampled, replayed, scored and filtered groups, online pool growth;
+- components (:mod:`keye.rl.loop.components`): the learner, the rollout engine, the whole-weight models, the scorer,
+  built in this process group or as Ray actors (:mod:`keye.rl.distributed.build`);
+- the batch source: :class:`~keye.rl.loop.batcher.RolloutBatcher` (``rl.mode: sync``: prompts -> sampled, replayed,
+  scored and filtered groups) or :class:`~keye.rl.loop.streaming.StreamingBatcher` (``rl.mode: async``: groups
+  stream from rollout workers under the staleness rule while the learner trains);
 - learner (:mod:`keye.rl.learner`): old / reference log-probs, advantages, PPO updates;
-- state (:mod:`keye.rl.loop.state`): prompt stream, replay pool, trainer state, checkpoints;
-- evaluation (:mod:`keye.rl.loop.evaluate`) and metrics (:mod:`keye.rl.loop.metrics`).
+- state (:mod:`keye.rl.loop.state`, :class:`keye.train.checkpoint.Checkpoints`): prompt stream, replay pool,
+  trainer state, checkpoints;
+- evaluation (:mod:`keye.rl.loop.evaluate`) and metrics (:mod:`keye.rl.loop.metrics`, the floor's run log).
 
-One step (``keye.rl.algorithms.update`` gives the core order):
+One synchronous step (``keye.rl.algorithms.update`` gives the core order):
 
 1. draw ``data.prompts_per_step / world`` prompts on each rank (its own slice of a seeded per-epoch
    permutation), give them thinking modes (``algorithm.mode_mix``), sample ``rollout.G`` responses each
@@ -48,24 +51,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
+from keye.hub import resolve_model_path
+from keye.recipes import common
 from keye.rl.config import RLEPConfig, policy_loss_kwargs, replay_m, tree_enabled, validate
-from keye.rl.loop.batcher import RolloutBatcher, StepBatch, prepare_update
-from keye.rl.loop.components import build_components
-from keye.rl.loop.evaluate import Evaluator, greedy_accuracy
-from keye.rl.loop.metrics import RunLog, format_summary, step_row
+from keye.rl.loop.batcher import BatchSource, RolloutBatcher, prepare_update
+from keye.rl.loop.components import Components, build_components
+from keye.rl.loop.evaluate import Evaluator
+from keye.rl.loop.metrics import format_summary, progress_figures, step_row
 from keye.rl.loop.state import (
-    Checkpoints,
     PromptStream,
-    RunState,
     load_pool,
     load_prompts,
     record_step,
@@ -73,157 +73,197 @@ from keye.rl.loop.state import (
     step_seed,
     trainer_state,
 )
-from keye.rl.rollout.scoring import RewardScorer
-from keye.tiny import resolve_model_path
 from keye.train import dist as kdist
-from keye.train.config import dump_config, load_config, to_dict
+from keye.train.checkpoint import Checkpoints
+from keye.train.metrics import RunLog
+from keye.train.models import load_processor
+from keye.train.run import start_run
 
 log = logging.getLogger("keye.recipes.rlep")
 
 
-def train(cfg: RLEPConfig, *, stop_after: int | None = None) -> dict[str, Any]:
-    """Run the RL recipe as configured; returns the run summary (also written to ``summary.json``).
+@dataclass
+class _Run:
+    """Everything one invocation of :func:`train` holds (built by :func:`_setup`)."""
 
-    ``stop_after`` stops after that many RL steps *of this invocation* without the final save (simulates a
-    crash in resume tests). The summary holds per-step ``losses`` (mean over the step's optimizer updates),
-    ``rewards`` (mean fresh reward), ``pass_rates`` and the ``eval_curve``. With ``rl.engine=ray
-    rl.mode=async`` the asynchronous loop runs instead (:func:`keye.rl.distributed.streaming.train_async`).
+    cfg: RLEPConfig
+    info: kdist.DistInfo
+    out_dir: Path
+    processor: Any
+    parts: Components
+    source: BatchSource
+    pool: Any
+    prompts: list[Any]
+    state: dict[str, Any]
+    ckpts: Checkpoints
+    evaluator: Evaluator
+    runlog: RunLog
+    loss_kwargs: dict[str, Any]
+    use_tree: bool
+    pad_id: int
+    t_start: float = 0.0  # when this invocation's training began (after the step-0 evaluation)
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` (collective): the batch source's run state as the loader state."""
+        rs = self.source.run_state
+        if hasattr(rs, "snapshot"):
+            rs.snapshot()
+        self.ckpts.save(step, lambda path: self.parts.learner.save_checkpoint(path, rs, self.state, self.processor))
+
+
+def train(cfg: RLEPConfig, *, stop_after: int | None = None, on_step: Callable[[int, Any], None] | None = None,
+          answer_length: Callable[[str, int], int] | None = None) -> dict[str, Any]:
+    """Run the RL recipe as configured - in this process group, on Ray synchronously, or on Ray asynchronously
+    (``rl.engine`` / ``rl.mode``: the same loop, another batch source); returns the run summary (also written to
+    ``summary.json``).
+
+    The summary holds per-step ``losses`` (mean over the step's optimizer updates), ``rewards`` (mean fresh reward),
+    ``pass_rates`` and the ``eval_curve``, plus the asynchronous source's staleness records
+    (:meth:`keye.rl.loop.streaming.StreamingBatcher.summary`).
+
+    Args:
+        stop_after: stop after that many RL steps *of this invocation* without the final save (simulates a crash
+            in resume tests).
+        on_step: ``on_step(step, view)`` after every step's update and metrics (tests, benchmarks; ``view`` is the
+            batch source's :meth:`~keye.rl.loop.batcher.BatchSource.view`).
+        answer_length: forced answer lengths for the asynchronous mode's workers (benchmarks; see
+            :class:`keye.rl.rollout.stream_worker.AnswerLengths`).
+    Raises:
+        KeyeConfigError: an invalid config (:func:`keye.rl.config.validate`, the Ray checks), a checkpoint of the
+            other ``rl.mode``, or resources a Ray cluster cannot place.
     """
-    if cfg.rl.engine == "ray" and cfg.rl.mode == "async":
-        from keye.rl.distributed.streaming import train_async
-
-        return train_async(cfg, stop_after=stop_after)
-    from keye.processing.processor import KeyeProcessor
-    from keye.rewards import RewardSpec
-
     info = kdist.init_distributed(cfg.train.device)
     validate(cfg, info.world_size)
-    out_dir = Path(cfg.checkpoint.out_dir)
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out_dir / "config.yaml")
-    kdist.barrier()
-    random.seed(cfg.train.seed)
-    np.random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-
-    # the components: learner + rollout engine (in this process group or on Ray), scorer, pool, prompts, eval
+    out_dir = start_run(cfg, info)
+    processor = load_processor(cfg.model)
     model_path = resolve_model_path(cfg.model.path)
-    processor = KeyeProcessor.from_pretrained(resolve_model_path(cfg.model.processor or cfg.model.path))
-    parts = build_components(cfg, info, model_path, processor)
-    learner, engine, frozen = parts.learner, parts.engine, parts.learner.frozen
-    scorer = parts.scorer if parts.scorer is not None else RewardScorer(RewardSpec.from_dict(cfg.reward.spec),
-                                                                        pass_value=cfg.reward.pass_value)
-    pool = load_pool(cfg)
-    prompts = load_prompts(cfg)
-    evaluator = Evaluator(cfg, parts, processor, info, out_dir)
+    if cfg.rl.engine == "ray":
+        from keye.rl.distributed.build import build_ray_components
+
+        parts = build_ray_components(cfg, info, model_path, processor, answer_length=answer_length)
+    else:
+        parts = build_components(cfg, info, model_path, processor)
+    source = None
+    try:
+        run = _setup(cfg, info, out_dir, processor, parts)
+        source = run.source
+        _loop(run, stop_after, on_step)
+        return _finish(run)
+    finally:
+        if source is not None:
+            source.close()
+        parts.close()
+
+
+def _setup(cfg: RLEPConfig, info: kdist.DistInfo, out_dir: Path, processor: Any, parts: Components) -> _Run:
+    """Prompts (filtered, or the set a resumed run started with), pool, batch source, the resumed state, the
+    evaluator and the run log."""
+    pool = load_pool(cfg.replay, cfg.train.seed)
     ckpts = Checkpoints(out_dir, cfg.checkpoint.keep_last, info.is_main)
-    prompts = select_prompts(cfg, prompts, ckpts.resumed_state(), engine, scorer, info)
-    state = trainer_state(prompts, cfg)
-    run_state = RunState(PromptStream(prompts, cfg.train.seed, info.rank, info.world_size, cfg.data.shuffle),
-                         pool, engine, info.rank)
+    prompts = select_prompts(cfg.data, load_prompts(cfg.data), ckpts.resumed_state(), parts.keep_informative)
+    state = trainer_state(prompts, cfg.data)
+    stream = PromptStream(prompts, cfg.train.seed, info.rank, info.world_size, cfg.data.shuffle)
+    if cfg.rl.mode == "async":
+        from keye.rl.loop.streaming import StreamingBatcher
+
+        source: BatchSource = StreamingBatcher(cfg, parts, pool, stream, prompts, processor, out_dir)
+    else:
+        source = RolloutBatcher(cfg, parts, pool, stream, processor, info, out_dir)
     if ckpts.latest is not None:
-        state = learner.load_checkpoint(ckpts.latest, run_state)
+        state = parts.learner.load_checkpoint(ckpts.latest, source.run_state)
         if info.is_main:
             log.info("resumed from %s at step %d", ckpts.latest, state["step"])
-    if getattr(engine, "weight_version", state["step"]) != state["step"]:
-        # the engine was built from the start checkpoint: after a resume it must serve the resumed policy
-        # before the first rollout (it is synced after every update from then on)
-        parts.sync(state["step"], cfg.rollout.sync_bytes)
-    runlog = RunLog(cfg, out_dir, info.is_main, state["step"], replay=bool(replay_m(cfg)))
-    rollout = RolloutBatcher(cfg, engine, scorer, pool, run_state.stream, processor,
-                             int(learner.config.eos_token_ids[0]), info, out_dir, state["step"])
-    use_tree, loss_kwargs, pad_id = tree_enabled(cfg), policy_loss_kwargs(cfg), int(processor.pad_token_id)
+    source.start(state["step"])
+    evaluator = Evaluator(cfg.eval, cfg.reward, parts, processor, info, out_dir, seed=cfg.train.seed,
+                          weights=source.eval_weights)
+    mode = ("async " if cfg.rl.mode == "async" else "") + ("rlep" if replay_m(cfg) else "grpo")
+    runlog = RunLog(cfg.log, out_dir, info.is_main, total=cfg.train.steps, start_step=state["step"], desc=mode,
+                    postfix=progress_figures)
+    return _Run(cfg, info, out_dir, processor, parts, source, pool, prompts, state, ckpts, evaluator, runlog,
+                policy_loss_kwargs(cfg), tree_enabled(cfg), int(processor.pad_token_id))
+
+
+def _loop(run: _Run, stop_after: int | None, on_step: Callable[[int, Any], None] | None) -> None:
+    """The steps: a batch from the source, log-probs and advantages, the learner's update, the weight push,
+    metrics, evaluation and checkpoints when due."""
+    cfg, state, learner, source = run.cfg, run.state, run.parts.learner, run.source
 
     def due(every: int, step: int) -> bool:  # periodic work; the last step has its own evaluation and save
         return bool(every) and step % every == 0 and step < cfg.train.steps
 
     if state["step"] == 0 and not state["eval_curve"]:
-        evaluator.run(0, state, runlog)
-    t_start, steps_this_run = time.time(), 0
+        run.evaluator.run(0, state, run.runlog)
+    run.t_start, steps_this_run = time.time(), 0
     while state["step"] < cfg.train.steps:
         step = state["step"] + 1
-        seed = step_seed(cfg.train.seed, step, info.rank)
+        seed = step_seed(cfg.train.seed, step, run.info.rank)
         t0 = time.time()
-        batch: StepBatch = rollout.collect(step, seed)  # sampled + replayed, scored, filtered groups
-        prepare_update(batch, learner, cfg.algorithm, pad_id=pad_id, use_tree=use_tree)  # log-probs, advantages
+        batch = source.collect(step, seed)  # sampled (or streamed) + replayed, scored, filtered groups
+        prepare_update(batch, learner, cfg.algorithm, pad_id=run.pad_id, use_tree=run.use_tree)
         t = time.time()
-        update = learner.update(batch.samples, n_groups=batch.n_groups, seed=seed, pad_id=pad_id, use_tree=use_tree,
-                                loss_kwargs=loss_kwargs)
-        parts.sync(step, cfg.rollout.sync_bytes)  # the next rollouts sample the updated policy
+        update = learner.update(batch.samples, n_groups=batch.n_groups, seed=seed, pad_id=run.pad_id,
+                                use_tree=run.use_tree, loss_kwargs=run.loss_kwargs)
         batch.timing["update"] = time.time() - t
-        row, tokens = step_row(batch, update, pool, info.device, tis=cfg.algorithm.tis_cap is not None, t0=t0)
+        t = time.time()
+        source.push_weights(step, batch)  # the next rollouts sample the updated policy
+        batch.timing["sync"] = time.time() - t
+        row, tokens = step_row(batch, update, run.pool, run.info.device, tis="tis_cap" in run.loss_kwargs, t0=t0)
         record_step(state, step, row, tokens)
-        runlog.step(step, row)
+        run.runlog.step(step, row)
         steps_this_run += 1
+        if on_step is not None:
+            on_step(step, source.view(step))
         if due(cfg.eval.every, step):
-            evaluator.run(step, state, runlog)
+            run.evaluator.run(step, state, run.runlog)
         if due(cfg.checkpoint.save_every, step):
-            ckpts.save(step, learner, run_state, state, processor)
+            run.save(step)
         if stop_after is not None and steps_this_run >= stop_after and step < cfg.train.steps:
             break
-    runlog.close_progress()
+    run.runlog.close_progress()
 
+
+def _finish(run: _Run) -> dict[str, Any]:
+    """The final evaluation, checkpoint, export and pool, and the summary (``summary.json``)."""
+    cfg, info, state, learner = run.cfg, run.info, run.state, run.parts.learner
     finished = state["step"] >= cfg.train.steps
     if finished:
-        evaluator.run(state["step"], state, runlog)
-        ckpts.save(state["step"], learner, run_state, state, processor)
+        run.evaluator.run(state["step"], state, run.runlog)
+        run.save(state["step"])
         if info.is_main:
             if cfg.checkpoint.export:
-                ckpts.export_final(state["step"])
+                run.ckpts.export_final(state["step"])
             if replay_m(cfg):
-                pool.save_jsonl(out_dir / "pool.jsonl")
+                run.pool.save_jsonl(run.out_dir / "pool.jsonl")
     summary = {
-        "finished": finished,
-        "steps": state["step"],
-        "losses": state["losses"],
-        "rewards": state["rewards"],
-        "pass_rates": state["pass_rates"],
-        "eval_curve": state["eval_curve"],
-        "tokens": state["tokens"],
-        "seconds": time.time() - t_start,
-        "tree": use_tree,
-        "replay_M": replay_m(cfg),
-        "pool": pool.stats(),
-        "frozen_towers": frozen,
-        "world_size": info.world_size,
-        "strategy": learner.strategy,
-        "prompts": len(prompts),
+        "finished": finished, "mode": cfg.rl.mode, "steps": state["step"], "losses": state["losses"],
+        "rewards": state["rewards"], "pass_rates": state["pass_rates"], "eval_curve": state["eval_curve"],
+        "tokens": state["tokens"], "seconds": time.time() - run.t_start, "tree": run.use_tree,
+        "replay_M": replay_m(cfg), "pool": run.pool.stats(), "frozen_towers": learner.frozen,
+        "world_size": info.world_size, "strategy": learner.strategy, "prompts": len(run.prompts),
         # identical on every rank when the replicas stayed in sync (data-parallel sanity check)
         "param_checksum": learner.checksum(),
     }
+    if hasattr(learner, "actors"):  # a Ray learner group
+        summary.update(learner_ranks=len(learner.actors), learner_devices=list(learner.devices))
+    summary.update(run.source.summary())
     if info.is_main:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        runlog.close()
+        (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        run.runlog.close()
         if cfg.log.progress:
-            print(format_summary(summary, out_dir))
+            print(format_summary(summary, run.out_dir))
     kdist.barrier()
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     """``keye train rlep --config CFG.yaml [key=value ...]``."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="keye train rlep", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML recipe config")
-    ap.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. replay.M=0 train.steps=20")
-    args = ap.parse_args(argv)
-    return run_from_args(args.config, args.overrides)
+    return common.main(argv, prog="keye train rlep", doc=__doc__, example="replay.M=0 train.steps=20",
+                       config_cls=RLEPConfig, train=train)
 
 
 def run_from_args(config: str | None, overrides: list[str]) -> int:
     """Load the config (YAML + overrides), run, tear the process group down."""
-    logging.basicConfig(level=os.environ.get("KEYE_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_config(RLEPConfig, config, overrides)
-    try:
-        train(cfg)
-    finally:
-        kdist.cleanup()
-    return 0
+    return common.run_from_args(RLEPConfig, train, config, overrides)
 
 
-
-__all__ = ["RLEPConfig", "PromptStream", "RunState", "greedy_accuracy", "main", "to_dict", "train", "tree_enabled",
-           "validate"]
+__all__ = ["RLEPConfig", "main", "run_from_args", "train"]

@@ -64,6 +64,7 @@ from keye.rl.rollout.samples import (
     split_batch,
 )
 from keye.rl.rollout.scoring import RewardScorer, Scores
+from keye.rl.rollout.settings import SamplingSettings
 from keye.train.logprobs import LogprobOutput, token_logprobs
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "RewardScorer",
     "RolloutEngine",
     "RolloutSample",
+    "SamplingSettings",
     "Scores",
     "VLLMRollout",
     "accumulate_policy_gradients",

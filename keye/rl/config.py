@@ -17,6 +17,9 @@ from keye.rl.algorithms.losses import KL_LOSS_ESTIMATORS
 from keye.rl.algorithms.sampling import ModeMix
 from keye.train.sections import CheckpointSection, LogSection, ModelSection, OptimSection
 
+DEFAULT_ASYNC_TIS_CAP = 2.0
+"""Truncation of the behaviour importance weight when ``algorithm.tis_cap`` is unset in async mode."""
+
 
 @dataclass
 class RLDataSection:
@@ -264,13 +267,16 @@ def _validate_autothink(cfg: RLEPConfig) -> None:
 
 def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
     """Keyword arguments of :func:`keye.rl.algorithms.losses.policy_loss` from ``cfg.algorithm``; the Dr.GRPO factor
-    defaults to ``rollout.max_new_tokens`` (the longest response, replayed ones are cut to it too)."""
+    defaults to ``rollout.max_new_tokens`` (the longest response, replayed ones are cut to it too), and in
+    ``rl.mode: async`` the behaviour importance weight is truncated at :data:`DEFAULT_ASYNC_TIS_CAP` when
+    ``algorithm.tis_cap`` is unset (the off-policy correction, :mod:`keye.rl.loop.streaming`)."""
     a = cfg.algorithm
     factor = a.loss_scale_factor if a.loss_scale_factor is not None else cfg.rollout.max_new_tokens
+    tis_cap = a.tis_cap if a.tis_cap is not None or cfg.rl.mode != "async" else DEFAULT_ASYNC_TIS_CAP
     return dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
                 loss_agg=a.loss_agg, loss_scale_factor=float(factor), kl_coef=a.kl_coef,
                 kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
-                **({"tis_cap": a.tis_cap} if a.tis_cap is not None else {}))
+                **({"tis_cap": tis_cap} if tis_cap is not None else {}))
 
 
 def tree_enabled(cfg: RLEPConfig) -> bool:
@@ -280,12 +286,6 @@ def tree_enabled(cfg: RLEPConfig) -> bool:
     m = cfg.replay.M if cfg.replay.enabled else 0
     return cfg.rollout.G + m >= 2
 
-
-def reward_options(spec: dict[str, Any]) -> dict[str, Any]:
-    """The options of a reward config mapping (those that tune the accuracy check are reused for eval)."""
-    opts = dict(spec.get("options") or {})
-    opts.update({k: v for k, v in spec.items() if k not in ("rewards", "options")})
-    return opts
 
 
 def replay_m(cfg: RLEPConfig) -> int:

@@ -1,73 +1,108 @@
-"""What the SFT step feeds the model and how DeepSpeed is configured for it."""
+"""One SFT optimizer step over load-balanced micro-batches, and the DeepSpeed config it runs under.
+
+What one step does: each rank takes ``data.micro_batches`` micro-batches (packed rows by default), the number of
+target tokens of the whole global step is summed over micro-batches and ranks, and every micro-batch's summed token
+loss is divided by that number. The gradient is therefore the mean over all target tokens of the global batch,
+independent of how tokens fall into micro-batches or ranks (not a mean of per-micro-batch means). Every answer of a
+multi-answer row counts its own tokens, whichever layout (tree or unshared rows, :mod:`keye.sft.trees`) computes
+them.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from keye.errors import KeyeConfigError
 from keye.sft.config import SFTConfig
-
-MODEL_INPUT_KEYS = (
-    "input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "pixel_values_videos",
-    "video_grid_thw", "second_per_grid_ts", "seq_lens", "position_ids",
-)
-
-
-VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-
-
-IGNORE_INDEX = -100
-
-
-def model_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The tensors of a loader micro-batch that the model's forward takes, moved to ``device``."""
-    out = {}
-    for k in MODEL_INPUT_KEYS:
-        v = batch.get(k)
-        if v is None:
-            continue
-        if k == "seq_lens" and not batch.get("packed", "cu_seqlens" in batch):
-            continue
-        out[k] = v.to(device, non_blocking=True) if torch.is_tensor(v) else v
-    if "seq_lens" in out and out["input_ids"].shape[0] != 1:
-        del out["seq_lens"]
-    return out
-
-
-def cycle_batches(loader):
-    while True:
-        yield from loader
+from keye.sft.inputs import model_inputs
+from keye.sft.trees import target_tokens, tree_loss, trees_of, unshared_batch, use_tree_path
+from keye.train import dist as kdist
+from keye.train.dist import deepspeed_settings
 
 
 def deepspeed_config(cfg: SFTConfig, world_size: int, device_type: str,
                      model_dtype: torch.dtype) -> dict[str, Any]:
-    """The DeepSpeed config of a ZeRO run: ``train.deepspeed_config`` (default
-    ``training/deepspeed/<strategy>.json``) with batch sizes, accumulation (``data.micro_batches``) and
-    clipping (``train.grad_clip``) from the recipe.
-
-    ``"enabled": "auto"`` in the ``bf16`` / ``fp16`` sections (the HF-Trainer convention the shipped configs
-    use) is resolved from ``model_dtype``: DeepSpeed itself reads the string as *disabled*, which for a bf16
-    model means no bf16 engine and no float32 master weights. On CPU the ``bf16`` section is dropped.
+    """The DeepSpeed config of a ZeRO run of the SFT recipe: ``train.deepspeed_config`` (default
+    ``training/deepspeed/<strategy>.json``) with accumulation over ``data.micro_batches`` and clipping
+    (``train.grad_clip``), precision ``auto`` resolved from ``model_dtype`` (:func:`keye.train.dist.deepspeed_settings`).
 
     Raises:
         KeyeConfigError: the file is missing or not JSON (the message names it).
     """
-    ds_path = cfg.train.deepspeed_config or f"training/deepspeed/{cfg.train.strategy}.json"
-    try:
-        ds_cfg = json.loads(Path(ds_path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise KeyeConfigError(f"{ds_path}: cannot read the DeepSpeed config ({err})") from None
-    ds_cfg["train_micro_batch_size_per_gpu"] = 1
-    ds_cfg["gradient_accumulation_steps"] = cfg.data.micro_batches
-    ds_cfg["train_batch_size"] = cfg.data.micro_batches * world_size
-    ds_cfg["gradient_clipping"] = cfg.train.grad_clip
-    for section, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        if isinstance(ds_cfg.get(section), dict) and ds_cfg[section].get("enabled") == "auto":
-            ds_cfg[section]["enabled"] = model_dtype == dtype
-    if device_type != "cuda":
-        ds_cfg.pop("bf16", None)
-    return ds_cfg
+    source = cfg.train.deepspeed_config or f"training/deepspeed/{cfg.train.strategy}.json"
+    return deepspeed_settings(source, world_size=world_size, accumulation=cfg.data.micro_batches,
+                              grad_clip=cfg.train.grad_clip, dtype=str(model_dtype).removeprefix("torch."),
+                              device_type=device_type)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step over all ranks: the token-mean ``loss``, the global gradient norm, the target tokens
+    the loss is normalised by, the tokens the LLM ran (a tree's prompt once), the manifest rows trained and this
+    rank's micro-batches that ran as shared-prefix forests."""
+
+    loss: float
+    grad_norm: float
+    target_tokens: float
+    tokens: float
+    samples: float
+    tree_micro_batches: int
+
+
+def optimizer_step(mbs: Sequence[dict[str, Any]], wrapped: kdist.Wrapped, optimizer: torch.optim.Optimizer,
+                   info: kdist.DistInfo, *, amp: bool, tree_mode: str, pad_token_id: int, grad_clip: float,
+                   step: int) -> StepResult:
+    """Forward and backward every micro-batch of ``mbs`` (this rank's), then one optimizer step (collective).
+
+    DDP, FSDP and ZeRO average gradients over ranks; each micro-batch's summed loss is multiplied by
+    ``world / global target tokens`` to undo that, so the gradient is sum(token losses) / global target tokens.
+    Under DeepSpeed its engine counts micro-batches itself (``gradient_accumulation_steps = data.micro_batches``)
+    and applies the update at its accumulation boundary; elsewhere the trainable gradients are clipped to
+    ``grad_clip`` and AdamW steps. The scheduler is the caller's.
+
+    Raises:
+        RuntimeError: DeepSpeed took another number of optimizer steps than one (its accumulation boundary is out
+            of step with ``data.micro_batches``).
+    """
+    global_targets = kdist.all_reduce_sum(sum(target_tokens(mb) for mb in mbs), info.device)
+    scale = info.world_size / max(global_targets, 1.0)
+    use_ds = wrapped.is_deepspeed
+    ds_steps_before = wrapped.engine.global_steps if use_ds else 0
+    loss_sum, local_tokens, trees = 0.0, 0, 0
+    for i, mb in enumerate(mbs):
+        with wrapped.no_sync(i == len(mbs) - 1):
+            with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=amp):
+                if use_tree_path(mb, tree_mode):
+                    mb_loss = tree_loss(wrapped.module, mb, info.device)
+                    trees += 1
+                    local_tokens += int(mb["num_tokens"])
+                else:
+                    batch = unshared_batch(mb, pad_token_id) if trees_of(mb) else mb
+                    mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
+                    local_tokens += int(batch["num_tokens"])
+            wrapped.backward(mb_loss * scale)
+            if use_ds:
+                # DeepSpeed's step() must run after every backward; it updates only at its accumulation boundary
+                wrapped.engine.step()
+        loss_sum += float(mb_loss.detach())
+    if use_ds:
+        if wrapped.engine.global_steps != ds_steps_before + 1:
+            taken = wrapped.engine.global_steps - ds_steps_before
+            raise RuntimeError(f"DeepSpeed took {taken} optimizer steps in training step {step}, expected 1: its "
+                               f"accumulation boundary is out of step with data.micro_batches={len(mbs)}")
+        grad_norm = float(wrapped.engine.get_global_grad_norm() or 0.0)
+    else:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(
+            [p for p in wrapped.model.parameters() if p.requires_grad], grad_clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=kdist.all_reduce_sum(loss_sum, info.device) / max(global_targets, 1.0), grad_norm=grad_norm,
+                      target_tokens=global_targets, tokens=kdist.all_reduce_sum(local_tokens, info.device),
+                      samples=kdist.all_reduce_sum(sum(int(mb["num_samples"]) for mb in mbs), info.device),
+                      tree_micro_batches=trees)
+
+
+__all__ = ["StepResult", "deepspeed_config", "optimizer_step"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from keye.errors import KeyeInputError
-from keye.sft.step import IGNORE_INDEX, VISION_KEYS
+from keye.sft.inputs import IGNORE_INDEX, VISION_KEYS
 
 
 @contextmanager
@@ -128,7 +128,7 @@ class TreeCostModel:
         return estimate_cost(self.base, sample, shared=self.shared)
 
 
-def _trees(mb: dict[str, Any]) -> list[Any] | None:
+def trees_of(mb: dict[str, Any]) -> list[Any] | None:
     """The per-sample trees of a micro-batch, or None (plain loader, or every sample failed to load)."""
     trees = mb.get("tree")
     return trees if trees and int(mb.get("num_samples", 0)) > 0 else None
@@ -136,19 +136,19 @@ def _trees(mb: dict[str, Any]) -> list[Any] | None:
 
 def has_multi_answer(mb: dict[str, Any]) -> bool:
     """Whether the micro-batch holds a row with two or more answers."""
-    return any(t.num_branches > 1 for t in _trees(mb) or [])
+    return any(t.num_branches > 1 for t in trees_of(mb) or [])
 
 
 def use_tree_path(mb: dict[str, Any], mode: str) -> bool:
     """Whether ``mb`` runs as a shared-prefix forest under ``train.tree = mode``."""
-    if _trees(mb) is None or mode == "off":
+    if trees_of(mb) is None or mode == "off":
         return False
     return mode == "on" or has_multi_answer(mb)
 
 
 def target_tokens(mb: dict[str, Any]) -> int:
     """Loss tokens of a micro-batch counted as in the unshared computation (every answer's own tokens)."""
-    trees = _trees(mb)
+    trees = trees_of(mb)
     if trees is None:
         return int(mb["num_label_tokens"])
     return sum(int(t.loss_mask.sum()) for t in trees)
@@ -189,7 +189,7 @@ def unshared_batch(mb: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
 
     if not has_multi_answer(mb):
         return mb
-    trees = _trees(mb)
+    trees = trees_of(mb)
     outs = []
     for tree, vision in zip(trees, _split_vision(mb, trees)):
         ids = tree.input_ids[0]
@@ -221,7 +221,7 @@ def tree_loss(module: Any, mb: dict[str, Any], device: torch.device) -> torch.Te
     from keye.train.tree import VisionInputs, concat_trees
     from keye.train.tree_attention import TreeAttention
 
-    forest = concat_trees(_trees(mb))
+    forest = concat_trees(trees_of(mb))
     forest.vision = VisionInputs(**{k: mb.get(k) for k in VISION_KEYS})  # pixels, in the same sample order
     forest = forest.to(device)
     # Full logits (logits_to_keep=0) as the packed path computes them: the LM head stays inside the

@@ -1,6 +1,6 @@
 """A model-free rollout worker for testing the asynchronous RL managers.
 
-:class:`FakeRolloutWorker` implements :class:`keye.rl.distributed.rollout_manager.RolloutWorker`. Each answer is a fixed
+:class:`FakeRolloutWorker` implements :class:`keye.rl.rollout.rollout_manager.RolloutWorker`. Each answer is a fixed
 function of ``(prompt_id, sample)``: its length comes from ``lengths`` and token ``p`` is
 :func:`expected_token` (the last one is the EOS id), so a test can check that an answer continued across
 workers, pauses and weight updates is exactly the one a single uninterrupted worker would have produced,
@@ -14,8 +14,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from keye.rl.distributed.rollout_manager import Finished, TokenChunk
-from keye.rl.distributed.trajectory import Request
+from keye.rl.rollout.rollout_manager import Finished, TokenChunk
+from keye.rl.rollout.trajectory import Request
 
 EOS = 1
 

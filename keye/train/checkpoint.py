@@ -184,3 +184,40 @@ def load_checkpoint(ckpt_dir: Path, wrapped, optimizer, scheduler, loader, info,
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
     return blob["trainer"]
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (``step_XXXXXXXX``), as both recipes use them.
+
+    :attr:`latest` is the newest complete checkpoint present when the run started (None: a fresh run).
+    """
+
+    def __init__(self, out_dir: Path, keep_last: int, is_main: bool):
+        self.out_dir, self.keep_last, self.is_main = Path(out_dir), keep_last, is_main
+        found = list_checkpoints(self.out_dir)
+        self.latest: Path | None = found[-1] if found else None
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of optimizer / RL step ``step`` lives."""
+        return self.out_dir / f"step_{step:08d}"
+
+    def resumed_state(self) -> dict[str, Any] | None:
+        """The trainer state stored in :attr:`latest` (None without a checkpoint); readable before the model is
+        restored (the RL recipe chooses its prompt set from it first)."""
+        if self.latest is None:
+            return None
+        return torch.load(self.latest / "trainer_state.pt", weights_only=False)["trainer"]
+
+    def save(self, step: int, write: Any) -> None:
+        """``write(path)`` the checkpoint of ``step`` (collective: every rank calls it, e.g.
+        :func:`save_checkpoint`), then keep only the newest ``keep_last`` (main rank)."""
+        write(self.path(step))
+        if self.is_main:
+            prune_checkpoints(self.out_dir, self.keep_last)
+
+    def export_final(self, step: int) -> Path:
+        """Copy the model of checkpoint ``step`` to ``final/`` (replacing an older export); main rank only."""
+        final = self.out_dir / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(self.path(step) / "model", final)
+        return final

@@ -83,6 +83,34 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return float(t.item())
 
 
+def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum a dict of floats over ranks (same keys on every rank; identity in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def all_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over ranks (collective; identity in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank in rank order (collective); ``[obj]`` without an initialised process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -190,3 +218,49 @@ def full_state_dict(wrapped: Wrapped) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (what every run does before building its parts)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def deepspeed_settings(source: str | dict[str, Any], *, world_size: int, accumulation: int, grad_clip: float,
+                       dtype: str, device_type: str) -> dict[str, Any]:
+    """A DeepSpeed config for one ZeRO run: ``source`` (a JSON file path, or a dict that is copied) with one
+    sample per micro-batch, ``accumulation`` micro-batches per step, the global batch and clipping filled in.
+
+    ``"enabled": "auto"`` in the ``bf16`` / ``fp16`` sections (the HF-Trainer convention the shipped configs
+    use) is resolved from ``dtype`` (the model's dtype name): DeepSpeed itself reads the string as *disabled*,
+    which for a bf16 model means no bf16 engine and no float32 master weights. Off the GPU the ``bf16`` section
+    is dropped.
+
+    Raises:
+        KeyeConfigError: the file is missing or not JSON (the message names it).
+    """
+    import json
+    from pathlib import Path
+
+    if isinstance(source, dict):
+        ds = json.loads(json.dumps(source))
+    else:
+        try:
+            ds = json.loads(Path(source).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise KeyeConfigError(f"{source}: cannot read the DeepSpeed config ({err})") from None
+    ds["train_micro_batch_size_per_gpu"] = 1
+    ds["gradient_accumulation_steps"] = accumulation
+    ds["train_batch_size"] = accumulation * world_size
+    ds["gradient_clipping"] = grad_clip
+    for section, name in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if isinstance(ds.get(section), dict) and ds[section].get("enabled") == "auto":
+            ds[section]["enabled"] = dtype == name
+    if device_type != "cuda":
+        ds.pop("bf16", None)
+    return ds

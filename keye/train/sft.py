@@ -4,7 +4,8 @@
 
 from keye.recipes.sft import format_summary, main, run_from_args, train
 from keye.sft.config import DataSection, SFTConfig, TrainSection
-from keye.sft.step import IGNORE_INDEX, MODEL_INPUT_KEYS, VISION_KEYS, deepspeed_config, model_inputs
+from keye.sft.inputs import IGNORE_INDEX, MODEL_INPUT_KEYS, VISION_KEYS, model_inputs
+from keye.sft.step import deepspeed_config
 from keye.sft.trees import (
     TreeCostModel,
     TreeSampleProcessor,

@@ -1,4 +1,4 @@
-"""Asynchronous RL on a local Ray cluster (keye.rl.distributed.streaming): the staleness bound holds on every trained answer's
+"""Asynchronous RL on a local Ray cluster (keye.rl.loop.streaming through the one RL loop): the staleness bound holds on every trained answer's
 recorded versions, answers continue across weight updates, a rollout worker killed by its pid loses nothing, a
 driver killed with SIGKILL resumes from its checkpoint and trains the same number of answers, and the learner is
 the Ray learner group (2 FSDP2 ranks train with no policy weights in the driver and match 1 rank)."""
@@ -20,10 +20,10 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from keye.rl import ReplayEntry, ReplayPool  # noqa: E402
-from keye.train.config import load_config  # noqa: E402
-from keye.rl.config import RLEPConfig  # noqa: E402
 from keye.recipes.rlep import train  # noqa: E402
+from keye.rl import ReplayEntry, ReplayPool  # noqa: E402
+from keye.rl.config import RLEPConfig  # noqa: E402
+from keye.train.config import load_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,6 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
     # next batch's generation and an update took about the same time on a CPU, and whether an answer crossed
     # an update depended on the load.) The first batch is the first B questions of the run's prompt stream.
     from keye.rl import load_rl_prompts
-    from keye.rl.distributed.streaming import train_async
     from keye.rl.loop.state import PromptStream
 
     first = {q.id for q in PromptStream(load_rl_prompts(fx["train"]), 0, 0, 1, True).draw(B)}
@@ -113,7 +112,7 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
     def length(prompt_id: str, sample: int) -> int:  # a local function: Ray pickles it by value
         return 16 if prompt_id in first else 400
 
-    summary = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "a", "rollout.max_new_tokens=400",
+    summary = train(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "a", "rollout.max_new_tokens=400",
                                                                    "algorithm.micro_batch_size=16")),
                           answer_length=length)
     assert summary["mode"] == "async" and summary["finished"] and summary["steps"] == 4
@@ -138,7 +137,6 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
 
 
 def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path):
-    from keye.rl.distributed.streaming import train_async
 
     killed: dict[str, int] = {}
 
@@ -162,7 +160,7 @@ def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path)
             threading.Thread(target=kill_when_busy, args=(run,), daemon=True).start()
 
     out = tmp_path / "kill"
-    summary = train_async(load_config(RLEPConfig, None, _overrides(fx, out, "train.steps=5")), on_step=on_step)
+    summary = train(load_config(RLEPConfig, None, _overrides(fx, out, "train.steps=5")), on_step=on_step)
     assert killed, "the worker never held a partly generated answer"
     assert summary["finished"] and summary["trained_trajectories"] == 5 * B * G
     ev, tev = summary["rollout_events"], summary["trajectory_events"]
@@ -175,15 +173,14 @@ def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path)
 
 _DRIVER = """
 import json, sys
-from keye.rl.distributed.streaming import train_async
+from keye.recipes.rlep import train
 from keye.train.config import load_config
 from keye.recipes.rlep import RLEPConfig
-train_async(load_config(RLEPConfig, None, json.loads(sys.argv[1])))
+train(load_config(RLEPConfig, None, json.loads(sys.argv[1])))
 """
 
 
 def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answers(fx, cluster, tmp_path):
-    from keye.rl.distributed.streaming import train_async
 
     out = tmp_path / "crash"
     args = _overrides(fx, out, "checkpoint.save_every=1", "checkpoint.keep_last=3")
@@ -203,7 +200,7 @@ def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answer
     waiting = {t["id"] for t in saved["trajectories"]}
     assert waiting, "the checkpoint holds no answer in flight or waiting for its group"
 
-    summary = train_async(load_config(RLEPConfig, None, args))  # the rerun joins this process's cluster
+    summary = train(load_config(RLEPConfig, None, args))  # the rerun joins this process's cluster
     assert summary["finished"] and summary["steps"] == 4
     assert summary["trained_trajectories"] == 4 * B * G  # the same as an uninterrupted run
     lines = _check_log(out, 4, K)  # rows of the lost updates were cut back: every answer trained once
@@ -212,13 +209,12 @@ def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answer
 
 
 def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, cluster, tmp_path):
-    from keye.rl.distributed.streaming import train_async
 
     # no replay: a random model fails every question, so every group is uninformative by accuracy; each update
     # examines max_rounds * B groups (the admission makes room for a new group per dropped one), trains none,
     # and the run still finishes instead of waiting for groups that can never come
     out = tmp_path / "ds"
-    summary = train_async(load_config(RLEPConfig, None, _overrides(
+    summary = train(load_config(RLEPConfig, None, _overrides(
         fx, out, "rollout.max_new_tokens=8", "replay.enabled=false", "algorithm.dynamic_sampling=true",
         "algorithm.max_rounds=2", "train.steps=2")))
     assert summary["finished"] and summary["steps"] == 2
@@ -251,7 +247,6 @@ def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(
     import gc
 
     from keye.model.keye_vl import KeyeVL
-    from keye.rl.distributed.streaming import train_async
     from keye.rl.distributed.learner_group import RemoteLearner
 
     seen: list[dict] = []
@@ -270,7 +265,7 @@ def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(
                      "models": len(models() - before), "dist": torch.distributed.is_initialized()})
 
     out = tmp_path / "fsdp2"
-    summary = train_async(load_config(RLEPConfig, None, _overrides(
+    summary = train(load_config(RLEPConfig, None, _overrides(
         fx, out, "rollout.max_new_tokens=16", "train.steps=2", "rl.ray.learners=2", "train.strategy=fsdp2",
         "rl.ray.learner_cpus=0.5")), on_step=on_step)
     assert summary["finished"] and summary["steps"] == 2
@@ -297,16 +292,15 @@ def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, cluster, t
     the weights, which agree to float rounding."""
     from safetensors.torch import load_file
 
-    from keye.rl.distributed.streaming import train_async
-    from keye.rl.distributed.stream_worker import AnswerLengths
+    from keye.rl.rollout.stream_worker import AnswerLengths
 
     lengths = AnswerLengths(mu=math.log(16), sigma=0.0, max_tokens=16)
     # held-out evaluation after every update: the driver's copy is refreshed from the learner group's shards
     common = ("rollout.max_new_tokens=16", "rl.max_staleness=0", "train.steps=3", f"eval.manifest={fx['train']}",
               "eval.limit=2", "eval.every=1", "eval.max_new_tokens=4")
-    one = train_async(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "one", *common)),
+    one = train(load_config(RLEPConfig, None, _overrides(fx, tmp_path / "one", *common)),
                       answer_length=lengths)
-    two = train_async(load_config(RLEPConfig, None, _overrides(
+    two = train(load_config(RLEPConfig, None, _overrides(
         fx, tmp_path / "two", *common, "rl.ray.learners=2", "train.strategy=fsdp2", "rl.ray.learner_cpus=0.5")),
         answer_length=lengths)
     assert one["finished"] and two["finished"]
@@ -329,11 +323,10 @@ def test_prompt_filtering_runs_on_a_ray_task_and_reports_an_empty_question_set(f
     no policy); a random policy never answers correctly, so nothing is kept and the run fails with a typed
     error after releasing its learner group."""
     from keye.errors import KeyeConfigError
-    from keye.rl.distributed.streaming import train_async
 
     cfg = load_config(RLEPConfig, None, _overrides(fx, tmp_path / "f", "data.filter_samples=2",
                                                     "rollout.max_new_tokens=3"))
     with pytest.raises(KeyeConfigError, match="prompt filtering kept no prompt"):
-        train_async(cfg)
+        train(cfg)
     assert not (tmp_path / "f" / "trajectories.jsonl").exists()
     _assert_released()

@@ -24,12 +24,12 @@ import torch
 
 from keye import KeyeVL
 from keye.errors import KeyeConfigError
+from keye.recipes.rlep import train
 from keye.rl import RLPrompt, RolloutSample
+from keye.rl.config import RLEPConfig
 from keye.rl.learner.learner import Learner, UpdateResult
 from keye.rl.rollout.samples import PromptInputs
 from keye.train.config import load_config
-from keye.rl.config import RLEPConfig
-from keye.recipes.rlep import train
 from tests.conftest import TORCH_THREADS
 from tests.rl import _ray_helpers
 from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
@@ -52,7 +52,8 @@ RAY = ("rl.engine=ray", "rl.ray.learner_cpus=0.5", "rl.ray.rollout_cpus=0.5", "r
 def _rows(run: Path) -> list[dict]:
     """The metrics rows without wall-clock entries."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in ("tokens_per_s", "samples_per_s")}
+            for r in rows]
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -107,8 +108,8 @@ def one_actor_run(ray_cluster, tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F8
 # ------------------------------------------------------------------------------------------ fast
 def test_config_checks_name_the_key():
     from keye.rl.distributed.build import check_ray_config
-    from keye.train import dist as kdist
     from keye.rl.loop.components import build_components
+    from keye.train import dist as kdist
 
     def bad(*over: str, world: int = 1) -> str:
         with pytest.raises(KeyeConfigError) as err:
@@ -177,7 +178,7 @@ def test_driver_plan_is_the_learners_own_plan():
             chosen.append([where[id(s)] for s in batch])
 
         fake = SimpleNamespace(
-            cfg=SimpleNamespace(algorithm=SimpleNamespace(ppo_epochs=epochs, mini_batches=mbs)), accumulate=record,
+            algorithm=SimpleNamespace(ppo_epochs=epochs, mini_batches=mbs), accumulate=record,
             scheduler=SimpleNamespace(get_last_lr=lambda: [0.0], step=lambda: None))
         Learner.update(fake, samples, n_groups=5, seed=77, pad_id=0, use_tree=False, loss_kwargs={})
         assert plan_updates(samples, n_groups=5, seed=77, ppo_epochs=epochs, mini_batches=mbs) == chosen
@@ -206,7 +207,7 @@ def test_merged_rank_stats_are_the_union_stats():
     assert st["local_tokens"] == 16.0 and st["tokens"] == 16.0
     assert st["ratio_max"] == float(uratio.max()) and st["ratio_min"] == float(uratio.min())
     assert (merged.grad_norms, merged.skipped, merged.lr) == ([0.5], 1, 1e-3)
-    from keye.rl.distributed.rollout_manager import WorkerProtocolError
+    from keye.rl.rollout.rollout_manager import WorkerProtocolError
 
     with pytest.raises(WorkerProtocolError, match="left lockstep"):
         merge_updates([results[0], UpdateResult([], [], 2, 1e-3)])
@@ -340,9 +341,9 @@ def test_ray_run_resumes_exactly(ray_cluster, reference, one_actor_run, tiny_ckp
 
 @pytest.mark.slow
 def test_reward_workers_that_die_or_hang_are_replaced(ray_cluster, tmp_path):
+    from keye.rl.config import RaySection
     from keye.rl.distributed.ray_session import EventLog, RaySession, RayWorkerError
     from keye.rl.distributed.reward_workers import RemoteScorer
-    from keye.rl.config import RaySection
 
     prompt = RLPrompt("q", [{"role": "user", "content": "x"}])
     texts = ["alpha", "b", "gamma ray", "delta", "", "epsilon zeta"]

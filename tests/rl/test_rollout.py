@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.train.logprobs import token_logprobs
 from keye.rl.rollout.engines import LocalRollout, VLLMRollout
 from keye.rl.rollout.samples import RLPrompt, collate_prompts, collate_samples, split_batch
+from keye.rl.rollout.settings import SamplingSettings
+from keye.train.logprobs import token_logprobs
 from tests.rl.conftest import image
 
 # a third of the ordinary vocabulary stops generation, so rows end at different lengths
@@ -60,8 +61,7 @@ class _Recorder:
 def _check_training_forward_matches_rollout(model, processor, prompts):
     """Roll out, re-batch, run the training forward; returns (samples, batch, training log-probs)."""
     n = 2
-    engine = LocalRollout(model, processor, max_new_tokens=6, temperature=0.9, seed=3,
-                          max_batch_size=64, eos_token_id=STOP_IDS)
+    engine = LocalRollout(model, processor, SamplingSettings(max_new_tokens=6, temperature=0.9, max_batch_size=64), seed=3, eos_token_id=STOP_IDS)
     rec = _Recorder(model)
     samples = engine.generate(prompts, n)
     rec.close()
@@ -136,7 +136,7 @@ def test_keye_1_5_slow_fast_video_reaches_the_training_forward(tmp_path, rl_vide
 
 def test_chunked_and_full_logits_agree_with_gradients(tiny_model, rl_processor, rl_video):
     prompts = _prompts(rl_video.path)[:2]
-    engine = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=1, eos_token_id=STOP_IDS)
+    engine = LocalRollout(tiny_model, rl_processor, SamplingSettings(max_new_tokens=5), seed=1, eos_token_id=STOP_IDS)
     batch = collate_samples(engine.generate(prompts, 2), rl_processor.pad_token_id)
     tiny_model.train()
     grads = []
@@ -156,17 +156,17 @@ def test_local_rollout_is_deterministic_per_seed(tiny_model, rl_processor, rl_vi
     prompts = _prompts(rl_video.path)[:2]
 
     def run(seed):
-        eng = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=seed, max_batch_size=3)
+        eng = LocalRollout(tiny_model, rl_processor, SamplingSettings(max_new_tokens=5, max_batch_size=3), seed=seed)
         return [s.response_ids.tolist() for s in eng.generate(prompts, 3)]
 
     assert run(5) == run(5)
     assert run(5) != run(6)
     # exact resume: restoring the generator state replays the same random stream
-    eng = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=9)
+    eng = LocalRollout(tiny_model, rl_processor, SamplingSettings(max_new_tokens=5), seed=9)
     eng.generate(prompts, 1)
     state = eng.state_dict()
     first = [s.response_ids.tolist() for s in eng.generate(prompts, 2)]
-    fresh = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, seed=0)
+    fresh = LocalRollout(tiny_model, rl_processor, SamplingSettings(max_new_tokens=5), seed=0)
     fresh.load_state_dict(state)
     assert [s.response_ids.tolist() for s in fresh.generate(prompts, 2)] == first
 
@@ -244,7 +244,7 @@ def test_response_prefix_is_forced_and_trained(tiny_model, rl_processor, rl_vide
     pre_ids = rl_processor.tokenizer(prefix, add_special_tokens=False)["input_ids"]
     prompts = [dataclasses.replace(p, response_prefix=prefix) if i % 2 == 0 else p
                for i, p in enumerate(_prompts(rl_video.path))]
-    engine = LocalRollout(tiny_model, rl_processor, max_new_tokens=5, temperature=0.9, seed=4, eos_token_id=STOP_IDS)
+    engine = LocalRollout(tiny_model, rl_processor, SamplingSettings(max_new_tokens=5, temperature=0.9), seed=4, eos_token_id=STOP_IDS)
     samples = engine.generate(prompts, 2)
     k = len(pre_ids)
     for s in samples:

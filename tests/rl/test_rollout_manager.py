@@ -1,4 +1,4 @@
-"""keye.rl.distributed.rollout_manager.RolloutManager with in-process fake workers (keye.testing.rollout): routing by
+"""keye.rl.rollout.rollout_manager.RolloutManager with in-process fake workers (keye.testing.rollout): routing by
 tokens in flight, streaming into the trajectory manager, pause / weight update / resume with partial
 rollouts continuing under the new version, and worker deaths (mid-step and silent) with restart and
 requeue. Every answer is a known function of (prompt, sample), so the tests check token by token that
@@ -11,8 +11,8 @@ import json
 import pytest
 
 from keye.errors import KeyeConfigError
-from keye.rl.distributed.rollout_manager import RolloutManager, TokenChunk, WorkerProtocolError
-from keye.rl.distributed.trajectory import TrajectoryManager
+from keye.rl.rollout.rollout_manager import RolloutManager, TokenChunk, WorkerProtocolError
+from keye.rl.rollout.trajectory import TrajectoryManager
 from keye.testing.rollout import EOS, FakeRolloutWorker, expected_logp, expected_token
 
 

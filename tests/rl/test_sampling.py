@@ -10,7 +10,6 @@ import torch
 
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.processing.chat import apply_mode
-from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
 from keye.rl.algorithms.sampling import (
     ModeMix,
     dynamic_sample,
@@ -19,6 +18,7 @@ from keye.rl.algorithms.sampling import (
     group_signal,
     is_informative,
 )
+from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
 from keye.rl.rollout.scoring import Scores
 
 

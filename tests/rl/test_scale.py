@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.rl import accumulate_policy_gradients
-from keye.train.logprobs import chunked_token_logprobs
 from keye.rl.algorithms.losses import aggregate, kl_penalty, policy_loss
-from keye.train.tree import build_tree, sequence_logprobs, tree_logprobs
+from keye.rl.config import RLEPConfig, policy_loss_kwargs, validate
 from keye.testing.model import make_tiny_model
 from keye.train.config import load_config
-from keye.rl.config import RLEPConfig, policy_loss_kwargs, validate
+from keye.train.logprobs import chunked_token_logprobs
+from keye.train.tree import build_tree, sequence_logprobs, tree_logprobs
 from tests.rl.test_update import _rl_samples
 
 
@@ -227,8 +227,8 @@ def test_tree_logprobs_are_chunked_with_equal_values_and_gradients():
 
 def test_token_logprobs_skip_padding_and_keep_no_full_logits(tiny_model, rl_processor):
     """The padded path computes only attended response positions and keeps no [tokens, vocab] tensor."""
-    from keye.train.logprobs import token_logprobs
     from keye.rl.rollout.samples import collate_samples
+    from keye.train.logprobs import token_logprobs
 
     samples = [s for s in _rl_samples(tiny_model, rl_processor) if s.valid]
     batch = collate_samples(samples, rl_processor.pad_token_id)

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from keye.errors import KeyeInputError
-from keye.train.logprobs import model_inputs, token_logprobs
+from keye.rl.rollout.rollout_manager import Finished, TokenChunk
 from keye.rl.rollout.samples import RLPrompt, RolloutSample, collate_samples, split_batch
-from keye.rl.distributed.rollout_manager import Finished, TokenChunk
-from keye.rl.distributed.stream_worker import AnswerLengths, StreamWorker, WorkerFailed
-from keye.rl.distributed.trajectory import Request
+from keye.rl.rollout.settings import SamplingSettings
+from keye.rl.rollout.stream_worker import AnswerLengths, StreamWorker, WorkerFailed
+from keye.rl.rollout.trajectory import Request
 from keye.testing.model import make_tiny_model
+from keye.train.logprobs import model_inputs, token_logprobs
 from tests.rl.conftest import image
 
 # a seventh of the ordinary vocabulary stops an answer, so answers end at different lengths
@@ -84,8 +85,7 @@ def test_log_probs_equal_a_full_forward_across_joins_and_weight_loads(rl_process
     cont = [302, ph, 303]
     temp = 0.7
     stops = STOP_IDS[::4]  # rarer stops: the first answers are still decoding when the others join
-    w = StreamWorker(model, rl_processor, max_new_tokens=14, temperature=temp, chunk_tokens=3, seed=1,
-                     eos_token_id=stops, max_batch=4)
+    w = StreamWorker(model, rl_processor, SamplingSettings(max_new_tokens=14, temperature=temp, max_batch_size=4), chunk_tokens=3, seed=1, eos_token_id=stops)
     got = _Answers()
     w.submit([_req(0, msgs[0]), _req(1, msgs[1])])
     got.add(w.poll())
@@ -143,7 +143,7 @@ def test_greedy_answers_equal_plain_decoding_whatever_the_batching(rl_processor,
     want = {i: _greedy(model, rl_processor, m, 12) for i, m in enumerate(msgs)}
     assert len({len(v) for v in want.values()}) > 1, "test needs answers of different lengths"
     # top_k=1 samples the argmax: the answer no longer depends on random numbers, only on the computation
-    w = StreamWorker(model, rl_processor, max_new_tokens=12, top_k=1, chunk_tokens=2, eos_token_id=STOP_IDS)
+    w = StreamWorker(model, rl_processor, SamplingSettings(max_new_tokens=12, top_k=1), chunk_tokens=2, eos_token_id=STOP_IDS)
     got = _Answers()
     w.submit([_req(3, msgs[3])])
     got.add(w.poll())
@@ -162,7 +162,7 @@ def test_greedy_answers_equal_plain_decoding_whatever_the_batching(rl_processor,
 def test_budgets_continuations_and_bad_requests(rl_processor):
     model = make_tiny_model("preview", seed=0)
     msgs = [{"role": "user", "content": "add 2 and 3"}]
-    w = StreamWorker(model, rl_processor, max_new_tokens=6, chunk_tokens=4, eos_token_id=STOP_IDS)
+    w = StreamWorker(model, rl_processor, SamplingSettings(max_new_tokens=6), chunk_tokens=4, eos_token_id=STOP_IDS)
     w.submit([_req(0, msgs, tokens=(400, STOP_IDS[3])),  # ended with an EOS before its worker died
               _req(1, msgs, tokens=(400,), budget=0),  # budget used up
               _req(2, msgs, budget=2), _req(3, msgs, tokens=(401, 402), budget=5)])
@@ -185,8 +185,7 @@ def test_forced_answer_lengths_are_exact_and_long_tailed(rl_processor):
     assert min(drawn) >= 1 and max(drawn) == 16 and sorted(drawn)[len(drawn) // 2] < 8  # median exp(1.5) ~ 4.5
     model = make_tiny_model("preview", seed=0)
     msgs = [{"role": "user", "content": "add 2 and 3"}]
-    w = StreamWorker(model, rl_processor, max_new_tokens=16, chunk_tokens=5, eos_token_id=STOP_IDS,
-                     answer_length=lengths)
+    w = StreamWorker(model, rl_processor, SamplingSettings(max_new_tokens=16), chunk_tokens=5, eos_token_id=STOP_IDS, answer_length=lengths)
     reqs = [Request(i, 1, i, i % 2, f"q{i // 2}", (), None, {"messages": msgs, "mode": None}) for i in range(8)]
     w.submit(reqs)
     got = _Answers()
@@ -197,7 +196,7 @@ def test_forced_answer_lengths_are_exact_and_long_tailed(rl_processor):
         assert len(toks) == lengths(r.prompt_id, r.sample)
         assert not any(t in STOP_IDS for t in toks[:-1])  # EOS masked before the length
     # the mask has teeth: without it some answer samples a stop id before its forced length
-    free = StreamWorker(model, rl_processor, max_new_tokens=16, chunk_tokens=16, eos_token_id=STOP_IDS)
+    free = StreamWorker(model, rl_processor, SamplingSettings(max_new_tokens=16), chunk_tokens=16, eos_token_id=STOP_IDS)
     free.submit(reqs)
     ended = _Answers()
     ended.add(free.poll())
@@ -208,7 +207,7 @@ def test_forced_answer_lengths_are_exact_and_long_tailed(rl_processor):
 def test_background_thread_pauses_resumes_and_closes(rl_processor):
     model = make_tiny_model("preview", seed=0)
     msgs = [{"role": "user", "content": "add 2 and 3"}]
-    w = StreamWorker(model, rl_processor, max_new_tokens=40, chunk_tokens=1, background=True)
+    w = StreamWorker(model, rl_processor, SamplingSettings(max_new_tokens=40), chunk_tokens=1, background=True)
     got = _Answers()
     w.submit([_req(i, msgs) for i in range(3)])
     deadline = time.time() + 30

@@ -1,4 +1,4 @@
-"""keye.rl.distributed.trajectory.TrajectoryManager: states, per-token versions and behaviour log-probs, staleness,
+"""keye.rl.rollout.trajectory.TrajectoryManager: states, per-token versions and behaviour log-probs, staleness,
 requeues after worker failures, sync mode, and exact resume from a JSON state.
 
 The property tests drive the manager with random event sequences (hypothesis) through a small driver that
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keye.errors import KeyeConfigError, KeyeInputError
-from keye.rl.distributed.trajectory import TrajectoryManager
+from keye.rl.rollout.trajectory import TrajectoryManager
 
 
 def _gen(tm: TrajectoryManager, tid: int, n: int, version: int) -> None:

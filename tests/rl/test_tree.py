@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from keye.errors import KeyeInputError
+from keye.testing.model import make_tiny_model
 from keye.train.tree import (
     VisionInputs,
     branch_logprobs,
@@ -20,7 +21,6 @@ from keye.train.tree import (
     tree_logprobs,
 )
 from keye.train.tree_attention import TreeAttention, reference_tree_attention
-from keye.testing.model import make_tiny_model
 
 BOS, VS, VE, IMG, VID = 480, 489, 490, 492, 493
 EPS_LOW, EPS_HIGH, DUAL_C = 0.2, 0.28, 3.0

@@ -7,9 +7,10 @@ import torch
 
 from keye.errors import KeyeInputError
 from keye.rl.algorithms.replay import ReplayEntry, ReplayPool, add_replay
+from keye.rl.algorithms.update import accumulate_policy_gradients, assign_advantages, fill_logprobs
 from keye.rl.rollout.engines import LocalRollout
 from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
-from keye.rl.algorithms.update import accumulate_policy_gradients, assign_advantages, fill_logprobs
+from keye.rl.rollout.settings import SamplingSettings
 from tests.rl.conftest import image
 
 EPS = 1e-6
@@ -83,7 +84,7 @@ def _rl_samples(model, processor):
         RLPrompt("txt", [{"role": "user", "content": "say hi"}], mode="no_think"),
     ]
     stops = list(range(0, 480, 4)) + [482]
-    fresh = LocalRollout(model, processor, max_new_tokens=6, seed=2, eos_token_id=stops).generate(prompts, 3)
+    fresh = LocalRollout(model, processor, SamplingSettings(max_new_tokens=6), seed=2, eos_token_id=stops).generate(prompts, 3)
     pool = ReplayPool()
     pool.add(ReplayEntry("img", "replayed answer", None, metadata={"mode": "think"}))
     enc = lambda t: processor.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731

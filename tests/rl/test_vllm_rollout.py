@@ -18,11 +18,12 @@ from PIL import Image
 from keye import KeyeVL
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.processing.processor import KeyeProcessor
-from keye.train.logprobs import token_logprobs
 from keye.rl.rollout.engines import LocalRollout, VLLMRollout
 from keye.rl.rollout.samples import RLPrompt, collate_samples
+from keye.rl.rollout.settings import SamplingSettings
 from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_test_video, make_tiny_processor_dir
+from keye.train.logprobs import token_logprobs
 from tests.rl.conftest import image
 from tests.train import _fake_vllm
 
@@ -65,7 +66,8 @@ def _prompts(video_path) -> list[RLPrompt]:
 
 
 def _engine(path, **kw) -> tuple[VLLMRollout, object]:
-    engine = VLLMRollout(str(path), KeyeProcessor.from_pretrained(path), **kw)
+    sampling = SamplingSettings(**{k: kw.pop(k) for k in ("max_new_tokens", "temperature", "top_p", "top_k") if k in kw})
+    engine = VLLMRollout(str(path), KeyeProcessor.from_pretrained(path), sampling, **kw)
     return engine, _fake_vllm.LLM.instances[-1]
 
 
@@ -169,7 +171,7 @@ def test_engine_logprobs_equal_the_learners_on_the_same_tokens(fake, ckpts, rl_v
 
     # the same engine left at vLLM's default mode reports log-probs under the untempered logits
     default = _fake_vllm.LLM(str(path))
-    plain = VLLMRollout(default, engine.processor, max_new_tokens=5, temperature=0.7, seed=11)
+    plain = VLLMRollout(default, engine.processor, SamplingSettings(max_new_tokens=5, temperature=0.7), seed=11)
     again = collate_samples(plain.generate(prompts, 2), engine.processor.pad_token_id)
     assert torch.equal(again["responses"], batch["responses"])  # same seeds, same weights: same tokens
     torch.testing.assert_close(again["rollout_logp"][att], raw[att], atol=2e-5, rtol=1e-5)
@@ -182,7 +184,7 @@ def test_local_rollout_records_the_filtered_distribution(ckpts, rl_video):
     path = ckpts["preview"]
     model = KeyeVL.from_pretrained(path, torch_dtype="float32")
     proc = KeyeProcessor.from_pretrained(path)
-    engine = LocalRollout(model, proc, max_new_tokens=4, temperature=0.8, top_k=1, seed=2)
+    engine = LocalRollout(model, proc, SamplingSettings(max_new_tokens=4, temperature=0.8, top_k=1), seed=2)
     samples = engine.generate(_prompts(rl_video.path)[:2], 2)
     batch = collate_samples(samples, proc.pad_token_id)
     att = batch["response_attention"]
@@ -239,7 +241,7 @@ def test_sleep_level_two_needs_a_sync_and_old_wake_up_wakes_everything(fake, ckp
         def wake_up(self) -> None:
             super().wake_up(None)
 
-    old = VLLMRollout(OldLLM(str(path), enable_sleep_mode=True), engine.processor, max_new_tokens=3, colocate=True)
+    old = VLLMRollout(OldLLM(str(path), enable_sleep_mode=True), engine.processor, SamplingSettings(max_new_tokens=3), colocate=True)
     old.generate(prompts, 1)
     old.sync_weights(_moved(path, 3))
     assert old.llm.calls[2] == ("wake_up", None) and not old.llm.sleeping

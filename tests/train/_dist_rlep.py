@@ -19,10 +19,10 @@ from pathlib import Path
 
 from _dist_sft import _jobs  # this script's folder is on sys.path; the same '--' job split
 
+from keye.recipes.rlep import train
+from keye.rl.config import RLEPConfig
 from keye.train import dist as kdist
 from keye.train.config import load_config
-from keye.rl.config import RLEPConfig
-from keye.recipes.rlep import train
 
 if __name__ == "__main__":
     jobs = _jobs(sys.argv[1:])

@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
+from keye.recipes.sft import train
+from keye.sft.config import SFTConfig
 from keye.train import dist as kdist
 from keye.train.config import load_config
-from keye.sft.config import SFTConfig
-from keye.recipes.sft import train
 
 
 def _jobs(argv: list[str]) -> list[list[str]]:

@@ -1,4 +1,5 @@
 """A fixed RL batch trained by :class:`keye.rl.learner.learner.Learner` for a few steps (used by test_rl_sharded.py).
+from keye.rl.rollout.settings import SamplingSettings
 
 ``run(...)`` works in one process and under torchrun: every rank builds the same samples (seeded rollouts of
 the same checkpoint, replayed answers included), keeps its share of the groups (rank 0 most of them, so the
@@ -29,12 +30,12 @@ def build_samples(ckpt: Path, manifest: Path, pool_path: Path):
     """The same scored samples in every process: 4 prompts x (2 fresh + 1 replayed) responses."""
     from keye.model.keye_vl import KeyeVL
     from keye.processing.processor import KeyeProcessor
-    from keye.rl import LocalRollout, ReplayPool, add_replay, load_rl_prompts
+    from keye.rl import LocalRollout, ReplayPool, SamplingSettings, add_replay, load_rl_prompts
 
     model = KeyeVL.from_pretrained(ckpt, torch_dtype="float32")
     proc = KeyeProcessor.from_pretrained(ckpt)
     prompts = load_rl_prompts(manifest)[:4]
-    fresh = LocalRollout(model, proc, max_new_tokens=5, seed=3).generate(prompts, 2)
+    fresh = LocalRollout(model, proc, SamplingSettings(max_new_tokens=5), seed=3).generate(prompts, 2)
     pool = ReplayPool.load_jsonl(pool_path)
     eos = int(model.config.eos_token_ids[0])
     samples = add_replay(fresh, pool, 1, encode=lambda t: list(proc.tokenizer(t, add_special_tokens=False)["input_ids"]),
@@ -57,7 +58,7 @@ def run(out_dir: Path, ckpt: Path, manifest: Path, pool: Path, name: str, overri
     torch.manual_seed(0)
     cfg = load_config(RLEPConfig, None, [f"model.path={ckpt}", f"checkpoint.out_dir={out_dir}", *BASE, *overrides])
     use_tree = bool(cfg.tree.enabled)
-    learner = Learner(cfg, info, model_path=ckpt)
+    learner = Learner.from_config(cfg, info, model_path=ckpt)
     samples, pad_id = build_samples(ckpt, manifest, pool)
     mine = GROUPS_OF_RANK[info.world_size][info.rank]
     local = [s for s in samples if s.group in mine]

@@ -11,6 +11,7 @@ import torch
 
 from keye import KeyeVL
 from keye.errors import KeyeConfigError
+from keye.recipes.rlep import train
 from keye.rl import (
     LocalRollout,
     ReplayEntry,
@@ -21,11 +22,11 @@ from keye.rl import (
     fill_logprobs,
     load_rl_prompts,
 )
+from keye.rl.config import RLEPConfig, tree_enabled, validate
+from keye.rl.loop.state import PromptStream
+from keye.rl.rollout.settings import SamplingSettings
 from keye.train import dist as kdist
 from keye.train.config import load_config
-from keye.rl.loop.state import PromptStream
-from keye.rl.config import RLEPConfig, tree_enabled, validate
-from keye.recipes.rlep import train
 from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,11 +130,11 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set, tmp_path):
     torch.manual_seed(0)
     cfg = _cfg(tiny_ckpt, rl_set, tmp_path, "tree.groups_per_micro_batch=2", "algorithm.eps_low=0.2",
                "algorithm.eps_high=0.28", "algorithm.dual_clip=3.0", "algorithm.loss_agg=token-mean")
-    learner = Learner(cfg, kdist.init_distributed("cpu"), model_path=tiny_ckpt)
+    learner = Learner.from_config(cfg, kdist.init_distributed("cpu"), model_path=tiny_ckpt)
     model = learner.model
     proc = KeyeProcessor.from_pretrained(tiny_ckpt)
     prompts = load_rl_prompts(rl_set["train"])[:2]
-    engine = LocalRollout(model, proc, max_new_tokens=5, seed=1)
+    engine = LocalRollout(model, proc, SamplingSettings(max_new_tokens=5), seed=1)
     fresh = engine.generate(prompts, 3)
     # group 1 gets a response with a stray <|video_pad|> id: that group takes the padded fallback path
     fresh[3].response_ids = torch.cat([fresh[3].response_ids[:2], torch.tensor([model.config.video_token_id])])

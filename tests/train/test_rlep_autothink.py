@@ -11,11 +11,18 @@ from pathlib import Path
 import pytest
 
 from keye.errors import KeyeConfigError
-from keye.rl import ReplayEntry, ReplayPool
-from keye.rl.algorithms.autothink import ROLES, GroupLog, decision_of, mode_selection_rewards, read_records, replies_of
-from keye.train.config import load_config
-from keye.rl.config import RLEPConfig, validate
 from keye.recipes.rlep import train
+from keye.rl import ReplayEntry, ReplayPool
+from keye.rl.algorithms.autothink import (
+    ROLES,
+    GroupLog,
+    decision_of,
+    mode_selection_rewards,
+    read_records,
+    replies_of,
+)
+from keye.rl.config import RLEPConfig, validate
+from keye.train.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 G, THINK_N, DIRECT_N, M, MAX_NEW = 2, 2, 3, 2, 32

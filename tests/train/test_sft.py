@@ -10,10 +10,10 @@ import torch
 
 from keye import KeyeProcessor, KeyeVL
 from keye.errors import KeyeConfigError
-from keye.train.config import dump_config, load_config
-from keye.sft.config import SFTConfig
-from keye.train.optim import lr_lambda
 from keye.recipes.sft import train
+from keye.sft.config import SFTConfig
+from keye.train.config import dump_config, load_config
+from keye.train.optim import lr_lambda
 from tests.conftest import TORCH_THREADS
 from tests.torchrun import job_args, torchrun
 

@@ -15,11 +15,11 @@ import torch
 
 from keye.errors import KeyeConfigError
 from keye.model.weights import iter_tensors
+from keye.recipes.sft import train
+from keye.sft.config import SFTConfig
 from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_tiny_processor_dir
 from keye.train.config import load_config
-from keye.sft.config import SFTConfig
-from keye.recipes.sft import train
 from tests.torchrun import job_args, torchrun
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,13 +20,13 @@ from keye.cli import main
 from keye.data.collate import collate_packed, collate_padded
 from keye.data.manifest import check_manifest, read_manifest
 from keye.data.probe import ProbeCache
+from keye.recipes.sft import train
+from keye.sft.config import SFTConfig
+from keye.sft.inputs import model_inputs
+from keye.sft.trees import TreeSampleProcessor, target_tokens, tree_loss, unshared_batch, use_tree_path
 from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_test_video, make_tiny_processor_dir
 from keye.train.config import load_config
-from keye.sft.config import SFTConfig
-from keye.sft.trees import TreeSampleProcessor, target_tokens, tree_loss, unshared_batch, use_tree_path
-from keye.sft.step import model_inputs
-from keye.recipes.sft import train
 from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]

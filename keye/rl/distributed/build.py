@@ -1,17 +1,30 @@
-"""Building the RL components on Ray (``rl.engine: ray``): the config checks of the Ray section and
+"""Building the RL components on Ray (``rl.engine: ray``, both modes): the config checks of the Ray section and
 :func:`build_ray_components` (learner group, rollout workers, reward workers, the driver's evaluation copy)."""
 
 from __future__ import annotations
 
+from keye.errors import KeyeConfigError
+
+try:
+    import ray
+except ImportError as _err:  # pragma: no cover - depends on the installation
+    raise KeyeConfigError(f"rl.engine=ray needs the 'ray' package (pip install 'keye[ray]'): {_err}") from None
+
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeConfigError
+from keye.hub import resolve_model_path
 from keye.rl.distributed.learner_group import RemoteLearner
-from keye.rl.distributed.ray_session import EventLog, RaySession
+from keye.rl.distributed.ray_session import EventLog, RaySession, connect
 from keye.rl.distributed.reward_workers import RemoteScorer, RewardScorerFactory
 from keye.rl.distributed.rollout_workers import RemoteEngine
+from keye.rl.distributed.stream_workers import StreamWorkerPool
 from keye.rl.distributed.weight_sync import broadcast_backend
+from keye.rl.rollout.scoring import RewardScorer
+from keye.train.models import load_inference_model
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -50,40 +63,107 @@ def check_ray_config(cfg: Any, world_size: int = 1) -> None:
     if cfg.rollout.engine == "vllm" and rs.rollout_gpus is not None and rs.rollout_gpus <= 0:
         raise KeyeConfigError("rollout.engine=vllm needs a GPU per rollout worker: set rl.ray.rollout_gpus > 0 "
                               "(or null)")
+    if rl.mode == "async" and cfg.rollout.engine != "local":
+        raise KeyeConfigError(f"rl.mode=async samples with keye's streaming engine: rollout.engine must be local, got "
+                              f"{cfg.rollout.engine!r}")
 
 
-def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any) -> Any:
-    """The recipe's components on Ray (see the module doc): :class:`RemoteLearner`, :class:`RemoteEngine`,
-    no rollout model in the driver, the driver's evaluation copy (with ``eval.manifest``) and a
-    :class:`RemoteScorer` (None with ``rl.ray.reward_workers: 0``: the driver scores).
+def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any, *,
+                         answer_length: Callable[[str, int], int] | None = None) -> Any:
+    """The RL components on Ray (``rl.engine: ray``); :func:`check_ray_config` first.
+
+    ``rl.mode: sync``: a :class:`RemoteLearner`, a :class:`RemoteEngine` over the rollout workers, a
+    :class:`RemoteScorer` (with ``rl.ray.reward_workers: 0`` the driver scores) in one placement group.
+    ``rl.mode: async``: the :class:`RemoteLearner` in a placement group of learner bundles only, and a
+    :class:`~keye.rl.distributed.stream_workers.StreamWorkerPool` as the engine (its workers are actors of their
+    own, started and replaced by the rollout manager; ``answer_length`` forces their answer lengths); the driver
+    scores, and prompt filtering runs in a one-off Ray task (:func:`filter_on_worker`).
+    Either way no rollout model lives in the driver, only its evaluation copy (with ``eval.manifest``), and
+    closing the components releases the actors (and a cluster this run started).
 
     Raises:
-        KeyeConfigError: an invalid ``rl`` section (:func:`check_ray_config`) or resources the cluster cannot
-            place.
+        KeyeConfigError: an invalid ``rl`` section or resources the cluster cannot place.
     """
-    from keye.model.keye_vl import KeyeVL
     from keye.rl.loop.components import Components
-    from keye.rl.loop.state import step_seed as _step_seed
+    from keye.rl.loop.state import filter_by_accuracy, step_seed
 
     check_ray_config(cfg, info.world_size)
     rs = cfg.rl.ray
+    started = connect(rs)
     events = EventLog(Path(cfg.checkpoint.out_dir) / "ray_events.jsonl")
-    session = RaySession(rs, events)
+    session = None
+
+    def close() -> None:
+        if session is not None:
+            session.close()
+        if started:
+            ray.shutdown()
+
     try:
-        learner = RemoteLearner(session, cfg, model_path)
-        engine = RemoteEngine(session, cfg, model_path, learner.dtype, _step_seed(cfg.train.seed, 0, 0),
-                              broadcast=broadcast_backend(rs.weight_sync, learner.devices, session.rollout_gpus))
-        scorer = None
-        if rs.reward_workers:
-            scorer = RemoteScorer(session, RewardScorerFactory(dict(cfg.reward.spec), cfg.reward.pass_value),
-                                  rs.reward_workers, rs.reward_timeout_s, rs.max_restarts)
+        if cfg.rl.mode == "async":
+            # the learners' placement group only: rollout workers are started (and replaced) by the rollout
+            # manager as actors of their own, and the reward runs in the driver
+            session = RaySession(replace(rs, rollout_workers=0, reward_workers=0), events)
+            learner = RemoteLearner(session, cfg, model_path)
+            engine: Any = StreamWorkerPool(cfg, str(model_path), _processor_path(cfg), learner.dtype,
+                                           Path(cfg.checkpoint.out_dir), answer_length)
+            scorer: Any = RewardScorer.from_config(cfg.reward)
+        else:
+            session = RaySession(rs, events)
+            learner = RemoteLearner(session, cfg, model_path)
+            engine = RemoteEngine(session, cfg, model_path, learner.dtype, step_seed(cfg.train.seed, 0, 0),
+                                  broadcast=broadcast_backend(rs.weight_sync, learner.devices, session.rollout_gpus))
+            scorer = (RemoteScorer(session, RewardScorerFactory(cfg.reward), rs.reward_workers, rs.reward_timeout_s,
+                                   rs.max_restarts) if rs.reward_workers else RewardScorer.from_config(cfg.reward))
     except BaseException:
-        session.close()
+        close()
         raise
-    eval_model = None
-    if cfg.eval.manifest:
-        # held-out evaluation runs in the driver on a copy refreshed from the learner's shards
-        eval_model = KeyeVL.from_pretrained(model_path, torch_dtype=learner.dtype,
-                                            attn_implementation=cfg.model.attn_implementation)
-        eval_model = eval_model.to(info.device).eval().requires_grad_(False)
-    return Components(learner, engine, None, eval_model, scorer)
+    # held-out evaluation runs in the driver on a copy refreshed from the learner's shards
+    eval_model = (load_inference_model(model_path, dtype=learner.dtype, attn_implementation=cfg.model.attn_implementation,
+                                       device=info.device) if cfg.eval.manifest else None)
+    if cfg.rl.mode == "async":
+        def keep_informative(prompts: list[Any]) -> list[Any]:
+            return _filter_on_ray(cfg, model_path, learner.dtype, engine, prompts)
+    else:
+        def keep_informative(prompts: list[Any]) -> list[Any]:
+            return filter_by_accuracy(prompts, engine, scorer, cfg.data, info)
+    return Components(learner, engine, None, eval_model, scorer, keep_informative, on_close=close)
+
+
+def _processor_path(cfg: Any) -> str:
+    return resolve_model_path(cfg.model.processor or cfg.model.path)
+
+
+def _filter_on_ray(cfg: Any, model_path: Path, dtype: str, pool: Any, prompts: list[Any]) -> list[Any]:
+    """``data.filter_samples`` in async mode: the start weights are model.path's, sampled by a one-off task with a
+    rollout worker's resources (``max_calls=1``: its process exits afterwards, releasing the model's memory)."""
+    rc = cfg.rl.ray
+    task = ray.remote(max_calls=1, num_cpus=rc.rollout_cpus, num_gpus=pool.gpus)(filter_on_worker)
+    keep = set(ray.get(task.remote(cfg, str(model_path), _processor_path(cfg), prompts, dtype, pool.threads)))
+    return [p for p in prompts if p.id in keep]
+
+
+def filter_on_worker(cfg: Any, model_path: str, processor_path: str, prompts: list[Any], dtype: str,
+                     threads: int) -> list[str]:
+    """The ids of the prompts ``data.filter_samples`` keeps (sampling accuracy in (0, 1)) under the weights at
+    ``model_path``, sampled as the synchronous loop's filter does (a :class:`~keye.rl.rollout.engines.LocalRollout`
+    seeded with ``train.seed``, scored by ``reward``). Meant to run as a Ray task with a rollout worker's
+    resources, so the driver never loads the model; callable in any process with one torch rank."""
+    import torch
+
+    from keye.processing.processor import KeyeProcessor
+    from keye.rl.loop.state import filter_by_accuracy
+    from keye.rl.rollout.engines import LocalRollout
+    from keye.rl.rollout.settings import SamplingSettings
+    from keye.train import dist as kdist
+
+    torch.set_num_threads(int(threads))
+    info = kdist.init_distributed(cfg.train.device)  # no WORLD_SIZE here: one rank, picks the device
+    model = load_inference_model(model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+                                 device=info.device)
+    engine = LocalRollout(model, KeyeProcessor.from_pretrained(processor_path), SamplingSettings.from_config(cfg.rollout),
+                          seed=cfg.train.seed)
+    return [p.id for p in filter_by_accuracy(prompts, engine, RewardScorer.from_config(cfg.reward), cfg.data, info)]
+
+
+__all__ = ["build_ray_components", "check_ray_config", "filter_on_worker"]

@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from keye.errors import KeyeConfigError
 from keye.rl.algorithms.sampling import group_minibatches
 from keye.rl.distributed.ray_session import RaySession, free_port, torch_threads
-from keye.rl.distributed.rollout_manager import WorkerProtocolError
 from keye.rl.distributed.weight_sync import broadcast_shards, open_sync_group
 from keye.rl.learner.learner import UpdateResult
+from keye.rl.rollout.rollout_manager import WorkerProtocolError
 from keye.rl.rollout.samples import RolloutSample
 
 try:
@@ -124,12 +122,6 @@ class _HeldState:
         self.state = state
 
 
-def _seed_everything(seed: int) -> None:
-    # as keye.recipes.rlep.train does before building its components
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
 
 class LearnerActor:
     """One learner rank: a :class:`keye.rl.learner.learner.Learner` in its own process, joined with the other ranks
@@ -164,8 +156,8 @@ class LearnerActor:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                               WORLD_SIZE=str(self.world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         info = kdist.init_distributed(self.cfg.train.device)
-        _seed_everything(self.cfg.train.seed)
-        self.learner = Learner(self.cfg, info, model_path=Path(self.model_path))
+        kdist.seed_everything(self.cfg.train.seed)
+        self.learner = Learner.from_config(self.cfg, info, model_path=Path(self.model_path))
         cm = self.cfg.model
         self.processor = KeyeProcessor.from_pretrained(resolve_model_path(cm.processor or cm.path))
         lr = self.learner
@@ -260,7 +252,7 @@ class RemoteLearner:
     ``model`` / ``ref_model`` are :class:`RemoteModel` descriptions (``ref_model`` None without a reference
     model); ``config``, ``frozen``, ``strategy``, ``sharded``, ``dtype`` are the ranks' values. Both
     ``rl.mode`` s train with it: the synchronous loop through :func:`build_ray_components`, the asynchronous
-    one (:func:`keye.rl.distributed.streaming.train_async`) directly, in a :class:`RaySession` of learner bundles only.
+    one in a :class:`RaySession` of learner bundles only (:func:`keye.rl.distributed.build.build_ray_components`).
     """
 
     def __init__(self, session: RaySession, cfg: Any, model_path: Path):

@@ -44,16 +44,15 @@ class RewardActor:
 
 @dataclass
 class RewardScorerFactory:
-    """Builds the recipe's :class:`~keye.rl.rollout.scoring.RewardScorer` inside a reward worker (picklable)."""
+    """Builds the run's :class:`~keye.rl.rollout.scoring.RewardScorer` from its ``reward`` section inside a reward
+    worker (picklable)."""
 
-    spec: dict[str, Any]
-    pass_value: float
+    reward: Any
 
     def __call__(self) -> Any:
-        from keye.rewards import RewardSpec
         from keye.rl.rollout.scoring import RewardScorer
 
-        return RewardScorer(RewardSpec.from_dict(self.spec), pass_value=self.pass_value)
+        return RewardScorer.from_config(self.reward)
 
 
 class RemoteScorer:

@@ -23,9 +23,11 @@ import torch
 from keye.errors import KeyeConfigError
 from keye.rl.distributed.learner_group import RemoteLearner
 from keye.rl.distributed.ray_session import RaySession, RayWorkerError, WorkerPool, split_even, torch_threads
-from keye.rl.distributed.rollout_manager import WorkerProtocolError
 from keye.rl.distributed.weight_sync import open_sync_group, receive_shards
+from keye.rl.rollout.rollout_manager import WorkerProtocolError
 from keye.rl.rollout.samples import RolloutSample
+from keye.rl.rollout.settings import SamplingSettings
+from keye.train.models import load_inference_model, load_processor
 
 try:
     import ray
@@ -53,30 +55,22 @@ class RolloutActor:
     """
 
     def __init__(self, cfg: Any, model_path: str, dtype: str, seed: int, threads: int):
-        from keye.processing.processor import KeyeProcessor
         from keye.rl.rollout.engines import LocalRollout, VLLMRollout
-        from keye.tiny import resolve_model_path
         from keye.train import dist as kdist
 
         torch.set_num_threads(threads)
         self.sync: tuple[Any, Any] | None = None  # (store, group) of the weight broadcast
-        r = cfg.rollout
         info = kdist.init_distributed(cfg.train.device)  # no WORLD_SIZE here: picks the device (and CPU flags)
-        cm = cfg.model
-        processor = KeyeProcessor.from_pretrained(resolve_model_path(cm.processor or cm.path))
-        self.kind = r.engine
-        if r.engine == "local":
-            from keye.model.keye_vl import KeyeVL
-
-            model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=cm.attn_implementation)
-            model = model.to(info.device).eval().requires_grad_(False)
-            self.engine: Any = LocalRollout(model, processor, max_new_tokens=r.max_new_tokens,
-                                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                            max_batch_size=r.max_batch_size, seed=seed)
+        processor = load_processor(cfg.model)
+        sampling = SamplingSettings.from_config(cfg.rollout)
+        self.kind = cfg.rollout.engine
+        if self.kind == "local":
+            model = load_inference_model(model_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+                                         device=info.device)
+            self.engine: Any = LocalRollout(model, processor, sampling, seed=seed)
         else:
             # the worker owns its GPU: vLLM never sleeps between rollouts here unless asked to
-            self.engine = VLLMRollout(model_path, processor, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                      top_p=r.top_p, top_k=r.top_k, seed=seed, colocate=r.colocate)
+            self.engine = VLLMRollout(model_path, processor, sampling, seed=seed, colocate=cfg.rollout.colocate)
 
     def pid(self) -> int:
         """This actor's process id (for operators and fault tests)."""

@@ -19,7 +19,7 @@ Model (every cost is a parameter of :class:`ClusterConfig`; ``benchmarks/rl_asyn
 - **Synchronous** (``max_staleness = 0``, ``placement = "colocated"``): all GPUs generate batch ``b``; when
   its last answer ends all GPUs train; then sync; then batch ``b + 1`` starts (keye's on-policy loop).
 - **Asynchronous** (``max_staleness = k >= 1``): groups are admitted while ``g < (version + k + 1) *
-  batch_prompts`` (:meth:`keye.rl.distributed.trajectory.TrajectoryManager.admissible_groups`), so answers of later
+  batch_prompts`` (:meth:`keye.rl.rollout.trajectory.TrajectoryManager.admissible_groups`), so answers of later
   batches fill the slots freed by the long tail of batch ``b``. Update ``b`` starts when batch ``b`` is
   complete. ``placement = "colocated"``: the update runs on all GPUs and the answers in flight are
   preempted (kept as partial answers, continued after the sync with a new prefill); ``"tagged"``

@@ -2,7 +2,7 @@
 
 ::
 
-    learner = Learner(cfg, info, model_path=path)           # policy (+ reference), optimizer, scheduler
+    learner = Learner.from_config(cfg, info, model_path=path)  # policy (+ reference), optimizer, scheduler
     learner.compute_logprobs(samples)                       # sample.old_logp (the current policy)
     learner.compute_logprobs(samples, target="ref_logp")    # sample.ref_logp (the reference model)
     result = learner.update(samples, seed=step_seed)        # ppo_epochs x mini_batches optimizer updates
@@ -41,8 +41,11 @@ from keye.errors import KeyeConfigError
 from keye.rl.algorithms.losses import policy_loss
 from keye.rl.algorithms.sampling import group_minibatches
 from keye.rl.rollout.samples import RolloutSample, collate_samples
+from keye.rl.rollout.settings import SamplingSettings
 from keye.train import dist as kdist
 from keye.train.logprobs import DEFAULT_CHUNK_TOKENS, LogprobRequest, token_logprobs
+from keye.train.models import load_inference_model, resolve_dtype
+from keye.train.optim import apply_freezing, build_optimizer, build_scheduler
 
 log = logging.getLogger("keye.rl.learner")
 
@@ -91,24 +94,6 @@ def group_rows(samples: Sequence[RolloutSample]) -> list[list[RolloutSample]]:
         if s.num_tokens > 0:
             groups.setdefault(s.group, []).append(s)
     return list(groups.values())
-
-
-def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum a dict of floats over ranks (same keys on every rank; identity in one process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return values
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
-
-
-def _all_max(value: int, device: torch.device) -> int:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
 
 
 def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
@@ -216,121 +201,104 @@ class Learner:
     Every method is collective in a distributed run: all ranks call it, in the same order.
 
     Args:
-        cfg: the :class:`keye.rl.config.RLEPConfig` (``model``, ``train``, ``algorithm``, ``rollout``,
-            ``tree`` sections are read).
+        model: the ``model`` section (:class:`keye.train.sections.ModelSection`).
+        train: the ``train`` section (:class:`keye.rl.config.RLTrainSection`: freezing, optimizer, schedule,
+            strategy).
+        algorithm: the ``algorithm`` section (reference model, PPO epochs, mini- and micro-batches).
+        tree: the ``tree`` section (kernel, groups per micro-batch).
+        sampling: the run's :class:`~keye.rl.rollout.settings.SamplingSettings` (log-probs use its temperature).
         info: the process group description from :func:`keye.train.dist.init_distributed`.
         model_path: resolved policy checkpoint directory.
     Raises:
         KeyeConfigError: an unknown strategy or reference placement, or DeepSpeed missing for ``zero3``.
     """
 
-    def __init__(self, cfg: Any, info: kdist.DistInfo, *, model_path: str | Path):
+    def __init__(self, *, model: Any, train: Any, algorithm: Any, tree: Any, sampling: SamplingSettings,
+                 info: kdist.DistInfo, model_path: str | Path):
         from keye.model.keye_vl import KeyeVL
-        from keye.train.optim import apply_freezing, lr_lambda, param_groups
 
-        self.cfg, self.info = cfg, info
-        strategy = cfg.train.strategy if info.distributed else "none"
+        self.train_cfg, self.algorithm, self.tree_cfg, self.sampling, self.info = train, algorithm, tree, sampling, info
+        strategy = train.strategy if info.distributed else "none"
         if strategy not in STRATEGIES:
             raise KeyeConfigError(f"train.strategy: {strategy!r} is not an RL strategy; use one of {list(STRATEGIES)}")
         self.strategy = strategy
         self.sharded = strategy in SHARDED
-        dtype = cfg.model.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if info.device.type == "cuda" else "float32"
-        self.dtype = dtype
-        attn = cfg.model.attn_implementation
-        model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, attn_implementation=attn)
-        model.train()
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        self.frozen = apply_freezing(model, cfg.train)
+        self.dtype = resolve_dtype(model.dtype, info.device)
+        policy = KeyeVL.from_pretrained(model_path, torch_dtype=self.dtype, attn_implementation=model.attn_implementation)
+        policy.train()
+        if model.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        self.frozen = apply_freezing(policy, train)
         # every rank must run the same modules in the same order when the weights are sharded
-        model.always_run_vision = model.collective_forward = self.sharded
-        self.model = model
-        self.placeholders = placeholder_ids(model)
-        self.vision_params = {id(p) for n, p in model.named_parameters() if n.startswith(("visual.", "mlp_AR."))}
+        policy.always_run_vision = policy.collective_forward = self.sharded
+        self.model = policy
+        self.placeholders = placeholder_ids(policy)
+        self.vision_params = {id(p) for n, p in policy.named_parameters() if n.startswith(("visual.", "mlp_AR."))}
+        self.ref_placement = self._reference_placement(algorithm.reference_placement)
+        self.ref_model = None
+        if algorithm.reference:
+            self.ref_model = load_inference_model(algorithm.reference_path or model.path, dtype=self.dtype,
+                                                  attn_implementation=model.attn_implementation, device="cpu")
+            self.ref_model.always_run_vision = self.ref_model.collective_forward = self.ref_placement == "sharded"
+            if self.ref_placement == "device" or strategy == "fsdp2":
+                self.ref_model.to(info.device)
+        self.ref_module = self._wrap()
+        # what runs the policy's forward: the DeepSpeed engine under ZeRO-3 (its forward sets up the backward)
+        self.policy = self.wrapped.module
+        self.scheduler = build_scheduler(self.optimizer, train, train.steps)
+        self.trainable = [p for p in policy.parameters() if p.requires_grad]
 
-        a = cfg.algorithm
-        placement = getattr(a, "reference_placement", "auto")
+    @classmethod
+    def from_config(cls, cfg: Any, info: kdist.DistInfo, *, model_path: str | Path) -> Learner:
+        """The learner of an :class:`keye.rl.config.RLEPConfig` (its ``model``, ``train``, ``algorithm``, ``tree``
+        sections and the sampling settings of ``rollout``)."""
+        return cls(model=cfg.model, train=cfg.train, algorithm=cfg.algorithm, tree=cfg.tree,
+                   sampling=SamplingSettings.from_config(cfg.rollout), info=info, model_path=model_path)
+
+    # ------------------------------------------------------------------------------ plumbing
+    def _reference_placement(self, placement: str) -> str:
+        """Where the reference model lives: ``auto`` is sharded like a sharded policy, else on the device."""
         if placement not in ("auto", "sharded", "cpu", "device"):
             raise KeyeConfigError(f"algorithm.reference_placement: {placement!r}; use auto, sharded, cpu or device")
         if placement == "auto":
             placement = "sharded" if self.sharded else "device"
-        if placement == "sharded" and not self.sharded:
-            placement = "device"
-        self.ref_placement = placement
-        self.ref_model = None
-        ref_module = None
-        if a.reference:
-            from keye.tiny import resolve_model_path
+        return "device" if placement == "sharded" and not self.sharded else placement
 
-            ref_path = resolve_model_path(a.reference_path or cfg.model.path)
-            ref = KeyeVL.from_pretrained(ref_path, torch_dtype=dtype, attn_implementation=attn)
-            ref.eval().requires_grad_(False)
-            ref.always_run_vision = ref.collective_forward = placement == "sharded"
-            if placement == "cpu":
-                ref.to("cpu")
-            elif placement == "device" or strategy == "fsdp2":
-                ref.to(info.device)
-            self.ref_model = ref
-            ref_module = ref
-
-        if strategy == "zero3":
-            self.optimizer = torch.optim.AdamW(param_groups(model, cfg.train), lr=cfg.train.lr,
-                                               betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
-            self.wrapped = kdist.wrap_model(model, "zero3", info, optimizer=self.optimizer,
-                                            deepspeed_config=self._deepspeed_config(train=True))
+    def _wrap(self) -> Any:
+        """Wrap the policy for the strategy and build its optimizer (after FSDP2, whose parameters are DTensors;
+        before DeepSpeed, which takes it); shard a ``sharded`` reference the same way. Returns what runs the
+        reference forward (the model, or its ZeRO-3 inference engine)."""
+        policy, ref, info = self.model, self.ref_model, self.info
+        shard_ref = ref is not None and self.ref_placement == "sharded"
+        if self.strategy == "zero3":
             import deepspeed
 
+            self.optimizer = build_optimizer(policy, self.train_cfg)
+            self.wrapped = kdist.wrap_model(policy, "zero3", info, optimizer=self.optimizer,
+                                            deepspeed_config=self._deepspeed_config(train=True))
             # lm_head is read inside KeyeVL.forward (chunked log-probs), not through its own forward
-            deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
-            if self.ref_model is not None and placement == "sharded":
-                engine, *_ = deepspeed.initialize(model=self.ref_model, config=self._deepspeed_config(train=False))
-                deepspeed.zero.register_external_parameter(self.ref_model, self.ref_model.lm_head.weight)
-                ref_module = engine
-        else:
-            self.wrapped = kdist.wrap_model(model, "fsdp2" if strategy == "fsdp2" else "none", info)
-            if self.ref_model is not None and placement == "sharded":
-                from torch.distributed.fsdp import fully_shard
+            deepspeed.zero.register_external_parameter(policy, policy.lm_head.weight)
+            if not shard_ref:
+                return ref
+            engine, *_ = deepspeed.initialize(model=ref, config=self._deepspeed_config(train=False))
+            deepspeed.zero.register_external_parameter(ref, ref.lm_head.weight)
+            return engine
+        self.wrapped = kdist.wrap_model(policy, "fsdp2" if self.strategy == "fsdp2" else "none", info)
+        if shard_ref:
+            from torch.distributed.fsdp import fully_shard
 
-                for layer in self.ref_model.model.layers:
-                    fully_shard(layer)
-                for layer in self.ref_model.visual.vision_model.encoder.layers:
-                    fully_shard(layer)
-                fully_shard(self.ref_model)
-            # after wrapping: FSDP2 parameters are DTensors now
-            self.optimizer = torch.optim.AdamW(param_groups(model, cfg.train), lr=cfg.train.lr,
-                                               betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
-        self.ref_module = ref_module
-        # what runs the policy's forward: the DeepSpeed engine under ZeRO-3 (its forward sets up the backward)
-        self.policy = self.wrapped.module
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.train, cfg.train.steps))
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
+            for layer in [*ref.model.layers, *ref.visual.vision_model.encoder.layers]:
+                fully_shard(layer)
+            fully_shard(ref)
+        self.optimizer = build_optimizer(policy, self.train_cfg)
+        return ref
 
-    # ------------------------------------------------------------------------------ plumbing
     def _deepspeed_config(self, *, train: bool) -> dict[str, Any]:
-        import json
-
-        cfg = self.cfg
-        path = cfg.train.deepspeed_config
-        if path is None:
-            ds = json.loads(json.dumps(DEFAULT_ZERO3))
-        else:
-            try:
-                ds = json.loads(Path(path).read_text())
-            except (OSError, json.JSONDecodeError) as err:
-                raise KeyeConfigError(f"{path}: cannot read the DeepSpeed config ({err})") from None
+        ds = kdist.deepspeed_settings(self.train_cfg.deepspeed_config or DEFAULT_ZERO3, world_size=self.info.world_size,
+                                      accumulation=1, grad_clip=self.train_cfg.grad_clip if train else 0.0,
+                                      dtype=self.dtype, device_type=self.info.device.type)
         # the learner owns accumulation: any number of backwards, then one step() (DeepSpeed >= 0.18)
         ds["managed_gradient_accumulation"] = False
-        ds["train_micro_batch_size_per_gpu"] = 1
-        ds["gradient_accumulation_steps"] = 1
-        ds["train_batch_size"] = self.info.world_size
-        ds["gradient_clipping"] = cfg.train.grad_clip if train else 0.0
-        for section, dt in (("bf16", "bfloat16"), ("fp16", "float16")):
-            if isinstance(ds.get(section), dict) and ds[section].get("enabled") == "auto":
-                ds[section]["enabled"] = self.dtype == dt
-        if self.info.device.type != "cuda":
-            ds.pop("bf16", None)
         if not train:
             ds.pop("optimizer", None)
             ds.pop("scheduler", None)
@@ -379,7 +347,7 @@ class Learner:
     def _forward(self, module: Any, mb: MicroBatch, *, temperature: float, entropy: bool,
                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]:
         """(logp [B, T], mask [B, T], entropy or None, padded batch or None) of one micro-batch."""
-        kernel = self.cfg.tree.kernel
+        kernel = self.tree_cfg.kernel
         core = getattr(module, "module", module)
         if mb.kind == "tree":
             logp, mask, ent = tree_forward(core, mb.groups, temperature=temperature, kernel=kernel, entropy=entropy,
@@ -393,7 +361,7 @@ class Learner:
     def _run(self, mbs: list[MicroBatch], fn, *, collective: bool = True) -> None:
         """Call ``fn(mb)`` for each micro-batch; sharded ranks with fewer micro-batches run ``fn(None)``
         (a dummy) until every rank has run the same number."""
-        n = _all_max(len(mbs), self.device) if self.sharded and collective else len(mbs)
+        n = kdist.all_max(len(mbs), self.device) if self.sharded and collective else len(mbs)
         for i in range(n):
             fn(mbs[i] if i < len(mbs) else None)
 
@@ -411,10 +379,10 @@ class Learner:
         if target == "ref_logp" and self.ref_model is None:
             raise KeyeConfigError("reference log-probs need algorithm.reference: true")
         module = self.policy if target == "old_logp" else self.ref_module
-        temperature = self.cfg.rollout.temperature
-        a = self.cfg.algorithm
+        temperature = self.sampling.temperature
+        a = self.algorithm
         mbs = plan_micro_batches(samples, use_tree=use_tree, placeholders=self.placeholders,
-                                 groups_per_micro_batch=self.cfg.tree.groups_per_micro_batch,
+                                 groups_per_micro_batch=self.tree_cfg.groups_per_micro_batch,
                                  micro_batch_size=a.micro_batch_size)
         was_training = self.model.training
         self.model.eval()
@@ -445,7 +413,7 @@ class Learner:
         over all ranks, so the update equals the one-process update on the union of the ranks' samples. A
         mini-batch without a loss token on any rank is skipped on every rank (no AdamW step on zeros).
         """
-        a = self.cfg.algorithm
+        a = self.algorithm
         gen = torch.Generator().manual_seed(seed)
         group_ids = torch.tensor([s.group for s in samples], dtype=torch.long)
         per_mb = max(1, -(-n_groups // a.mini_batches))
@@ -482,15 +450,15 @@ class Learner:
         over all ranks and multiplied by the world size (every layout averages gradients over ranks), so
         the accumulated gradient is the one-process gradient of the union of the ranks' samples.
         """
-        a = self.cfg.algorithm
-        temperature = self.cfg.rollout.temperature
+        a = self.algorithm
+        temperature = self.sampling.temperature
         use_ref = bool(loss_kwargs.get("kl_coef", 0.0))
         world = self.info.world_size
         local_tok = loss_token_count(chosen, self.placeholders)
         mbs = plan_micro_batches(chosen, use_tree=use_tree, placeholders=self.placeholders,
-                                 groups_per_micro_batch=self.cfg.tree.groups_per_micro_batch,
+                                 groups_per_micro_batch=self.tree_cfg.groups_per_micro_batch,
                                  micro_batch_size=a.micro_batch_size)
-        counts = reduce_sums({"tok": float(local_tok), "seq": float(sum(
+        counts = kdist.reduce_sums({"tok": float(local_tok), "seq": float(sum(
             1 for mb in mbs for s in mb.samples if loss_token_count([s], self.placeholders) > 0)),
             "vision": float(any(mb.has_vision for mb in mbs))}, self.device)
         n_tok, n_seq = counts["tok"], counts["seq"]
@@ -534,7 +502,7 @@ class Learner:
 
     def _step(self, *, no_vision: bool) -> float:
         """Reduce (replicated), clip and apply the accumulated gradients; returns the gradient norm."""
-        clip = self.cfg.train.grad_clip
+        clip = self.train_cfg.grad_clip
         if self.wrapped.is_deepspeed:
             if no_vision:
                 # the dummy vision pass gave the tower exact zeros; one process would have no gradient there

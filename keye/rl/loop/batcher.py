@@ -20,27 +20,29 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Protocol
 
 from keye.rl.algorithms import autothink
 from keye.rl.algorithms.replay import ReplayEntry, ReplayPool, add_replay
 from keye.rl.algorithms.sampling import ModeMix, dynamic_sample, group_signal
 from keye.rl.algorithms.update import assign_advantages, set_scores
 from keye.rl.config import replay_m
-from keye.rl.learner.learner import reduce_sums
 from keye.rl.loop.metrics import dynsample_stats
-from keye.rl.loop.state import PromptStream, all_gather
+from keye.rl.loop.state import PromptStream, RunState
 from keye.rl.rollout.samples import RLPrompt, RolloutSample
+from keye.train.dist import all_gather, reduce_sums
 
 
 @dataclass
 class StepBatch:
     """What one step trains on (this rank's part): ``samples`` with ``group`` numbered ``0 .. n_groups - 1``,
-    seconds per stage (``timing``: rollout, score, then old_logprob and update as they run), the
-    dynamic-sampling and AutoThink metric rows (empty when off) and the pool entries added this step."""
+    seconds per stage (``timing``: the batch source's stages, then old_logprob, update and sync as they run), the
+    dynamic-sampling and AutoThink metric rows (empty when off), the pool entries added this step and the batch
+    source's own metrics (``extra``: the asynchronous source's staleness and event counts)."""
 
     samples: list[RolloutSample]
     n_groups: int
@@ -48,6 +50,40 @@ class StepBatch:
     dynsample: dict[str, float] = field(default_factory=dict)
     autothink: dict[str, float] = field(default_factory=dict)
     pool_added: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class BatchSource(Protocol):
+    """Where the one RL loop gets each step's batch (:func:`keye.recipes.rlep.train`): :class:`RolloutBatcher`
+    (synchronous: every rank samples its prompts with the current policy) or
+    :class:`keye.rl.loop.streaming.StreamingBatcher` (asynchronous: groups stream from rollout workers under the
+    staleness rule). Every method is collective where the loop is (all ranks, same order).
+    """
+
+    run_state: Any
+    """What a checkpoint stores as the loader state (``state_dict`` / ``load_state_dict``, ``snapshot()`` before
+    each save)."""
+
+    def start(self, step: int) -> None:
+        """Begin after ``step`` (0, or the resumed checkpoint's): the engine serves that step's policy."""
+
+    def collect(self, step: int, seed: int) -> StepBatch:
+        """This rank's batch of ``step`` (scored, replayed, filtered, groups numbered)."""
+
+    def push_weights(self, step: int, batch: StepBatch) -> None:
+        """After the update of ``step``: the engine samples with the new weights from now on."""
+
+    def eval_weights(self) -> Iterable[dict[str, Any]]:
+        """The current policy's weight shards, for an evaluation copy (collective)."""
+
+    def view(self, step: int) -> Any:
+        """What an ``on_step`` callback receives after ``step`` (tests, benchmarks)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The source's part of the run summary."""
+
+    def close(self) -> None:
+        """Release workers and files (idempotent)."""
 
 
 def add_online(pool: ReplayPool, rows: list[tuple], step: int) -> int:
@@ -60,31 +96,60 @@ def add_online(pool: ReplayPool, rows: list[tuple], step: int) -> int:
 
 
 class RolloutBatcher:
-    """The rollout component of the recipe: prompts -> sampled, replayed, scored groups (see the module doc).
+    """The synchronous batch source: prompts -> sampled, replayed, scored groups (see the module doc).
 
     Args:
-        cfg: the :class:`keye.rl.config.RLEPConfig`.
-        engine: the rollout engine (``generate(prompts, n)``; ``reseed(seed)`` when it has one).
-        scorer: ``scorer(samples) -> Scores``.
+        cfg: the :class:`keye.rl.config.RLEPConfig` (``data``, ``rollout``, ``replay``, ``algorithm`` are read).
+        parts: the run's :class:`~keye.rl.loop.components.Components` (the engine that samples, the scorer, the
+            weight sync).
         pool: the replay pool (read for phase B, grown online).
         stream: this rank's prompt stream.
         processor: the Keye processor (replayed texts are tokenised and decoded as the rollouts are).
-        eos_id: the end-of-sequence id closing a replayed answer.
         info: this process's :class:`keye.train.dist.DistInfo`.
         out_dir: the run directory (``autothink_groups.jsonl``).
-        start_step: the step the run starts after (0, or the resumed checkpoint's).
     """
 
-    def __init__(self, cfg: Any, engine: Any, scorer: Any, pool: ReplayPool, stream: PromptStream, processor: Any,
-                 eos_id: int, info: Any, out_dir: Path, start_step: int):
-        self.cfg, self.engine, self.scorer, self.pool, self.stream = cfg, engine, scorer, pool, stream
-        self.processor, self.eos_id, self.info = processor, eos_id, info
+    def __init__(self, cfg: Any, parts: Any, pool: ReplayPool, stream: PromptStream, processor: Any, info: Any,
+                 out_dir: Path):
+        self.cfg, self.parts, self.engine, self.scorer = cfg, parts, parts.engine, parts.scorer
+        self.pool, self.stream, self.processor, self.info, self.out_dir = pool, stream, processor, info, out_dir
+        self.eos_id = int(parts.learner.config.eos_token_ids[0])
+        self.run_state = RunState(stream, pool, parts.engine, info.rank)
         self.m_replay = replay_m(cfg)
         self.per_rank = cfg.data.prompts_per_step // info.world_size
         self.mix = ModeMix.from_config(cfg.algorithm.mode_mix)
         at = self.at = cfg.algorithm.autothink
         self.at_scale = at.length_scale if at.length_scale is not None else cfg.rollout.max_new_tokens
-        self.at_log = autothink.GroupLog(out_dir, start_step, enabled=at.enabled and at.record and info.is_main)
+        self.at_log: Any = None
+
+    def start(self, step: int) -> None:
+        """Begin after ``step``: the AutoThink group log drops rows of later steps; an engine built from the start
+        checkpoint is brought to the resumed policy (it is synced after every update from then on)."""
+        at = self.at
+        self.at_log = autothink.GroupLog(self.out_dir, step, enabled=at.enabled and at.record and self.info.is_main)
+        if getattr(self.engine, "weight_version", step) != step:
+            self.parts.sync(step, self.cfg.rollout.sync_bytes)
+
+    def push_weights(self, step: int, batch: StepBatch) -> None:
+        """The next rollouts sample the policy updated at ``step`` (a no-op for an engine sampling with the
+        learner's own model)."""
+        self.parts.sync(step, self.cfg.rollout.sync_bytes)
+
+    def eval_weights(self) -> Iterable[dict[str, Any]]:
+        """The learner's current weights, exported shard by shard (collective)."""
+        return self.parts.learner.export_weights(self.cfg.rollout.sync_bytes)
+
+    def view(self, step: int) -> Any:
+        """``on_step``'s view: the components and the step."""
+        return SimpleNamespace(parts=self.parts, learner=self.parts.learner, engine=self.engine,
+                               out_dir=self.out_dir, version=step)
+
+    def summary(self) -> dict[str, Any]:
+        """Nothing beyond the loop's own summary."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release (the components are the recipe's)."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a replayed answer text (no special tokens)."""

@@ -12,6 +12,7 @@ from typing import Any
 from keye.errors import KeyeConfigError, KeyeInputError
 from keye.rl.algorithms.replay import ReplayEntry, ReplayPool
 from keye.rl.rollout.samples import RLPrompt, RolloutEngine, RolloutSample
+from keye.rl.rollout.settings import SamplingSettings
 
 
 # ------------------------------------------------------------------------------------------ phase A
@@ -142,15 +143,15 @@ def collect_to_file(
     policy = resolve_model_path(policy)
     prompts = load_rl_prompts(data)
     processor = KeyeProcessor.from_pretrained(policy)
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                max_batch_size=max_batch_size)
     if engine == "local":
         from keye.model.keye_vl import KeyeVL
 
         model = KeyeVL.from_pretrained(policy, torch_dtype=torch_dtype, device=device)
-        rollout: RolloutEngine = LocalRollout(model, processor, max_new_tokens=max_new_tokens, temperature=temperature,
-                                              top_p=top_p, max_batch_size=max_batch_size, seed=seed)
+        rollout: RolloutEngine = LocalRollout(model, processor, sampling, seed=seed)
     elif engine == "vllm":
-        rollout = VLLMRollout(str(policy), processor, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, seed=seed)
+        rollout = VLLMRollout(str(policy), processor, sampling, seed=seed)
     else:
         raise KeyeConfigError(f"engine must be 'local' or 'vllm', got {engine!r}")
     if scorer is None:

@@ -1,5 +1,5 @@
-"""Metrics of the RL recipe: the all-rank step row (``metrics.jsonl``), dynamic-sampling counts, the progress
-bar (:class:`RunLog`), the run summary (``summary.json``) and its one-line report.
+"""Metrics of the RL loop: the all-rank step row (``metrics.jsonl``), dynamic-sampling counts, the progress bar's
+figures (the log itself is the floor's :class:`keye.train.metrics.RunLog`) and the run summary's one-line report.
 
 The reductions here are collective: every rank calls them in the same order with its own samples.
 """
@@ -13,10 +13,8 @@ from typing import Any
 
 import torch
 
-from keye.rl.learner.learner import reduce_sums
-from keye.rl.loop.state import all_gather
 from keye.rl.rollout.samples import RolloutSample
-from keye.train.metrics import MetricsWriter
+from keye.train.dist import all_gather, reduce_sums
 
 
 def mean(xs: Sequence[float]) -> float:
@@ -82,6 +80,7 @@ def step_metrics(samples: Sequence[RolloutSample], update_stats: list[dict[str, 
         "response_length": g["length"] / max(g["n_fresh"], 1.0),
         "adv_abs_mean": g["adv_abs"] / max(g["n_valid"], 1.0),
         "_tokens": g["tokens"],
+        "_fresh": g["n_fresh"],
     }
     for name in part_names:
         if g[f"part_n/{name}"]:
@@ -105,6 +104,7 @@ def step_row(batch: Any, update: Any, pool: Any, device: torch.device, *, tis: b
     row.update({f"time/{k}": v for k, v in batch.timing.items()})
     row.update(batch.dynsample)
     row.update(batch.autothink)
+    row.update(batch.extra)
     row.update(pool.stats())
     row["pool/added"] = float(batch.pool_added)
     row["grad_norm"] = mean(update.grad_norms)
@@ -113,48 +113,19 @@ def step_row(batch: Any, update: Any, pool: Any, device: torch.device, *, tis: b
     dt = time.time() - t0
     tokens = row.pop("_tokens")
     row["tokens_per_s"] = tokens / max(dt, 1e-9)
+    row["samples_per_s"] = row.pop("_fresh") / max(dt, 1e-9)
     return row, tokens
 
 
-class RunLog:
-    """Where step rows go: ``metrics.jsonl`` (+ TensorBoard) on the main rank every ``log.every`` steps, and the
-    main rank's progress bar (``log.progress``); other ranks write nothing."""
-
-    def __init__(self, cfg: Any, out_dir: Path, is_main: bool, start_step: int, replay: bool):
-        self.every = cfg.log.every
-        self.metrics = MetricsWriter(out_dir, is_main, cfg.log.tensorboard)
-        self.bar = None
-        if is_main and cfg.log.progress:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="rlep" if replay else "grpo",
-                            dynamic_ncols=True)
-
-    def write(self, step: int, values: dict[str, float]) -> None:
-        """Write ``values`` as the row of ``step`` now (evaluation results)."""
-        self.metrics.write(step, values)
-
-    def step(self, step: int, row: dict[str, float]) -> None:
-        """Log a finished training step: its row (when ``step`` is a multiple of ``log.every``) and the bar."""
-        if step % self.every == 0:
-            self.metrics.write(step, row)
-        if self.bar is not None:
-            self.bar.set_postfix(reward=f"{row['reward/mean']:.3f}", pass_=f"{row['pass_rate']:.2f}",
-                                 replay=f"{row['replay_share']:.2f}", clip=f"{row['clip_frac']:.3f}",
-                                 kl=f"{row.get('kl', row['approx_kl']):.4f}", ent=f"{row['entropy']:.2f}",
-                                 len=f"{row['response_length']:.1f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            self.bar.update(1)
-
-    def close_progress(self) -> None:
-        """Close the progress bar (the training loop is over)."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def close(self) -> None:
-        """Close the bar and the metrics files."""
-        self.close_progress()
-        self.metrics.close()
+def progress_figures(row: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's figures of an RL step row (:class:`keye.train.metrics.RunLog` ``postfix``)."""
+    out = {"reward": f"{row['reward/mean']:.3f}", "pass_": f"{row['pass_rate']:.2f}",
+           "replay": f"{row['replay_share']:.2f}", "clip": f"{row['clip_frac']:.3f}",
+           "kl": f"{row.get('kl', row['approx_kl']):.4f}", "ent": f"{row['entropy']:.2f}",
+           "len": f"{row['response_length']:.1f}", "tok_s": f"{row['tokens_per_s']:.0f}"}
+    if "staleness/mean" in row:  # the asynchronous batch source
+        out.update(stale=f"{row['staleness/mean']:.2f}", partial=str(int(row["partial_rollouts"])))
+    return out
 
 
 def format_summary(s: dict[str, Any], out_dir: Path) -> str:

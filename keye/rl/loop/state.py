@@ -6,19 +6,14 @@
 - the replay pool (:func:`load_pool`);
 - the trainer state (step, per-step losses / rewards / pass rates, eval curve, tokens: :func:`trainer_state`,
   :func:`record_step`) and :class:`RunState`, the rest of what a checkpoint holds;
-- :class:`Checkpoints`: the run directory's checkpoints (resume, save + prune, final export);
-- the per-step seed (:func:`step_seed`) and :func:`all_gather` (a no-op without a process group).
+- the per-step seed (:func:`step_seed`).
 """
 
 from __future__ import annotations
 
 import random
-import shutil
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
 
 from keye.errors import KeyeConfigError
 from keye.rl.algorithms.replay import ReplayPool
@@ -26,16 +21,7 @@ from keye.rl.algorithms.sampling import filter_prompts
 from keye.rl.rollout.prompts import load_rl_prompts
 from keye.rl.rollout.samples import RLPrompt
 from keye.rl.rollout.scoring import RewardScorer
-from keye.train.checkpoint import list_checkpoints, prune_checkpoints
-
-
-def all_gather(obj: Any) -> list[Any]:
-    """``obj`` of every rank in rank order (collective); ``[obj]`` without an initialised process group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
+from keye.train.dist import all_gather
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -117,57 +103,60 @@ class RunState:
         self.pool.load_state_dict(state["pool"])
 
 
-def load_prompts(cfg: Any) -> list[RLPrompt]:
-    """The RL prompts of ``cfg.data`` (first ``limit``); raises :class:`KeyeConfigError` when there are none."""
-    prompts = load_rl_prompts(cfg.data.manifest)
-    if cfg.data.limit is not None:
-        prompts = prompts[: cfg.data.limit]
+def load_prompts(data: Any) -> list[RLPrompt]:
+    """The RL prompts of a ``data`` section (``manifest``, first ``limit``); raises :class:`KeyeConfigError` when
+    there are none."""
+    prompts = load_rl_prompts(data.manifest)
+    if data.limit is not None:
+        prompts = prompts[: data.limit]
     if not prompts:
-        raise KeyeConfigError(f"{cfg.data.manifest}: no RL prompts")
+        raise KeyeConfigError(f"{data.manifest}: no RL prompts")
     return prompts
 
 
-def load_pool(cfg: Any) -> ReplayPool:
-    """The replay pool: ``replay.pool`` loaded when replay is on and a pool file is set, else an empty pool
-    (online growth only); seeded with ``train.seed`` either way."""
-    if cfg.replay.enabled and cfg.replay.M > 0 and cfg.replay.pool:
-        return ReplayPool.load_jsonl(cfg.replay.pool, max_per_question=cfg.replay.max_per_question,
-                                     overflow=cfg.replay.overflow, seed=cfg.train.seed)
-    return ReplayPool(cfg.replay.max_per_question, cfg.replay.overflow, seed=cfg.train.seed)
+def load_pool(replay: Any, seed: int) -> ReplayPool:
+    """The replay pool of a ``replay`` section: ``pool`` loaded when replay is on and a pool file is set, else an
+    empty pool (online growth only); seeded with ``seed`` either way."""
+    if replay.enabled and replay.M > 0 and replay.pool:
+        return ReplayPool.load_jsonl(replay.pool, max_per_question=replay.max_per_question, overflow=replay.overflow,
+                                     seed=seed)
+    return ReplayPool(replay.max_per_question, replay.overflow, seed=seed)
 
 
-def filter_by_accuracy(prompts: list[RLPrompt], engine: Any, scorer: RewardScorer, cfg: Any,
+def filter_by_accuracy(prompts: list[RLPrompt], engine: Any, scorer: RewardScorer, data: Any,
                        info: Any) -> list[RLPrompt]:
-    """Pre-run prompt filtering to sampling accuracy in (0, 1); each rank tests its slice, ids are gathered
-    (collective), and every rank returns the same kept prompts in their original order."""
+    """Pre-run prompt filtering to sampling accuracy in (0, 1) over ``data.filter_samples`` answers; each rank
+    tests its slice, ids are gathered (collective), and every rank returns the same kept prompts in their
+    original order."""
     mine = prompts[info.rank :: info.world_size]
-    res = filter_prompts(mine, engine, scorer, cfg.data.filter_samples, batch_prompts=max(1, cfg.data.prompts_per_step))
+    res = filter_prompts(mine, engine, scorer, data.filter_samples, batch_prompts=max(1, data.prompts_per_step))
     keep = {pid for ids in all_gather([p.id for p in res.kept]) for pid in ids}
     return [p for p in prompts if p.id in keep]
 
 
-def select_prompts(cfg: Any, prompts: list[RLPrompt], resumed: dict[str, Any] | None, engine: Any,
-                   scorer: RewardScorer, info: Any) -> list[RLPrompt]:
+def select_prompts(data: Any, prompts: list[RLPrompt], resumed: dict[str, Any] | None,
+                   keep_informative: Callable[[list[RLPrompt]], list[RLPrompt]]) -> list[RLPrompt]:
     """The prompts this run trains on: on resume the ids the checkpoint recorded (a filtered run keeps the set it
-    started with, no re-filtering), else with ``data.filter_samples > 0`` :func:`filter_by_accuracy`, else all.
+    started with, no re-filtering), else with ``data.filter_samples > 0`` ``keep_informative(prompts)`` (the
+    components' filter: :func:`filter_by_accuracy` or a Ray task), else all.
 
     ``resumed`` is the latest checkpoint's trainer state (None when starting fresh). Raises
     :class:`KeyeConfigError` when filtering keeps nothing."""
     if resumed is not None and resumed.get("prompt_ids") is not None:
         keep = set(resumed["prompt_ids"])
         return [p for p in prompts if p.id in keep]
-    if cfg.data.filter_samples > 0:
-        prompts = filter_by_accuracy(prompts, engine, scorer, cfg, info)
+    if data.filter_samples > 0:
+        prompts = keep_informative(prompts)
         if not prompts:
             raise KeyeConfigError("prompt filtering kept no prompt (every accuracy was 0 or 1)")
     return prompts
 
 
-def trainer_state(prompts: Sequence[RLPrompt], cfg: Any) -> dict[str, Any]:
+def trainer_state(prompts: Sequence[RLPrompt], data: Any) -> dict[str, Any]:
     """The trainer state of a fresh run (what :func:`record_step` advances and a checkpoint stores as
     ``trainer``); ``prompt_ids`` is recorded only for a filtered prompt set (see :func:`select_prompts`)."""
     return {"step": 0, "losses": [], "rewards": [], "pass_rates": [], "eval_curve": [],
-            "prompt_ids": [p.id for p in prompts] if cfg.data.filter_samples > 0 else None, "tokens": 0}
+            "prompt_ids": [p.id for p in prompts] if data.filter_samples > 0 else None, "tokens": 0}
 
 
 def record_step(state: dict[str, Any], step: int, row: dict[str, float], tokens: float) -> None:
@@ -177,36 +166,3 @@ def record_step(state: dict[str, Any], step: int, row: dict[str, float], tokens:
     state["losses"].append(row["loss"])
     state["rewards"].append(row["reward/mean"])
     state["pass_rates"].append(row["pass_rate"])
-
-
-class Checkpoints:
-    """The checkpoints of one run directory (``step_XXXXXXXX``; the learner writes and reads them).
-
-    :attr:`latest` is the newest one present when the run started (None: a fresh run)."""
-
-    def __init__(self, out_dir: Path, keep_last: int, is_main: bool):
-        self.out_dir, self.keep_last, self.is_main = out_dir, keep_last, is_main
-        found = list_checkpoints(out_dir)
-        self.latest: Path | None = found[-1] if found else None
-
-    def resumed_state(self) -> dict[str, Any] | None:
-        """The trainer state stored in :attr:`latest` (None without a checkpoint); read before the model is
-        restored, so the prompt set can be chosen first."""
-        if self.latest is None:
-            return None
-        return torch.load(self.latest / "trainer_state.pt", weights_only=False)["trainer"]
-
-    def save(self, step: int, learner: Any, run_state: RunState, state: dict[str, Any], processor: Any) -> None:
-        """Write ``step_<step>`` (collective: :meth:`RunState.snapshot` and the learner's save run on every rank)
-        and keep only the last ``keep_last`` checkpoints."""
-        run_state.snapshot()
-        learner.save_checkpoint(self.out_dir / f"step_{step:08d}", run_state, state, processor)
-        if self.is_main:
-            prune_checkpoints(self.out_dir, self.keep_last)
-
-    def export_final(self, step: int) -> Path:
-        """Copy the model of checkpoint ``step`` to ``final/`` (replacing an older export); main rank only."""
-        final = self.out_dir / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        shutil.copytree(self.out_dir / f"step_{step:08d}" / "model", final)
-        return final

@@ -35,39 +35,14 @@ from keye.rl.rollout.samples import (
     prefix_ids,
     split_batch,
 )
+from keye.rl.rollout.settings import SamplingSettings
+from keye.train.models import load_weight_shards
 
 
 def _apply_mode(messages: list[dict[str, Any]], mode: str | None) -> list[dict[str, Any]]:
     from keye.processing.chat import apply_mode
 
     return apply_mode(messages, mode)
-
-
-def load_weight_shards(model: torch.nn.Module, shards: Iterable[Mapping[str, torch.Tensor]]) -> int:
-    """Copy weight shards ``{name: full tensor}`` into ``model`` shard by shard; every weight of the model
-    must arrive exactly once. Returns the number of tensors loaded.
-
-    Raises:
-        KeyeInputError: an unknown name, a shape mismatch, a tensor sent twice or one never sent.
-    """
-    own = model.state_dict()
-    seen: set[str] = set()
-    with torch.no_grad():
-        for shard in shards:
-            for name, tensor in shard.items():
-                if name not in own:
-                    raise KeyeInputError(f"weight sync: {name!r} is not a weight of the rollout model")
-                if tuple(tensor.shape) != tuple(own[name].shape):
-                    raise KeyeInputError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the rollout "
-                                         f"model's is {tuple(own[name].shape)}")
-                if name in seen:
-                    raise KeyeInputError(f"weight sync: {name!r} was sent twice")
-                own[name].copy_(tensor)
-                seen.add(name)
-    missing = sorted(set(own) - seen)
-    if missing:
-        raise KeyeInputError(f"weight sync: {len(missing)} weights never arrived, e.g. {missing[:3]}")
-    return len(seen)
 
 
 class LocalRollout:
@@ -77,37 +52,21 @@ class LocalRollout:
         model: a :class:`keye.KeyeVL` (generation runs under ``no_grad`` in eval mode; the previous mode
             is restored).
         processor: a :class:`keye.KeyeProcessor` (its ``__call__`` builds the prompt batch).
-        max_new_tokens, temperature, top_p, top_k: sampling settings (RLEP: 1.0 / 1.0 / off).
-        max_batch_size: sequences decoded together (prompts are repeated ``n`` times, then chunked).
+        sampling: the run's :class:`~keye.rl.rollout.settings.SamplingSettings` (default: its defaults);
+            ``max_batch_size`` sequences are decoded together (prompts are repeated ``n`` times, then chunked).
         seed: seeds the sampling generator (on the model's device at construction: build the engine after
             moving the model); the same seed, model and prompts give the same samples.
         eos_token_id: one or several stop ids (default: the model config's).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        processor: Any,
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_batch_size: int = 64,
-        seed: int = 0,
-        eos_token_id: int | Sequence[int] | None = None,
-    ):
-        if max_batch_size < 1:
-            raise KeyeConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if temperature <= 0:
-            raise KeyeConfigError(f"temperature must be > 0 for sampling rollouts, got {temperature}")
+    def __init__(self, model: torch.nn.Module, processor: Any, sampling: SamplingSettings | None = None, *,
+                 seed: int = 0, eos_token_id: int | Sequence[int] | None = None):
         self.model = model
         self.processor = processor
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.max_batch_size = max_batch_size
+        self.sampling = sampling if sampling is not None else SamplingSettings()
+        s = self.sampling
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = s.max_new_tokens, s.temperature, s.top_p, s.top_k
+        self.max_batch_size = s.max_batch_size
         eos = model.config.eos_token_ids if eos_token_id is None else eos_token_id
         self.eos_ids = [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
         self.pad_id = int(processor.pad_token_id)
@@ -241,8 +200,9 @@ class VLLMRollout:
     Args:
         llm: a constructed ``vllm.LLM`` or a model path/hub id (then ``LLM(model=..., **llm_kwargs)``).
         processor: a :class:`keye.KeyeProcessor` of the same checkpoint.
-        max_new_tokens, temperature, top_p, top_k, seed: sampling settings (``SamplingParams``, one per prompt):
-            prompt ``k`` of call ``i`` of :meth:`generate` samples with a seed hashed from ``(seed + i, k)`` (the
+        sampling: the run's :class:`~keye.rl.rollout.settings.SamplingSettings` (``SamplingParams``, one per
+            prompt; ``max_batch_size`` is vLLM's to choose).
+        seed: prompt ``k`` of call ``i`` of :meth:`generate` samples with a seed hashed from ``(seed + i, k)`` (the
             call count is in :meth:`state_dict`, so a resumed run repeats the stream).
         colocate: the engine shares its GPU with the learner (sleep after each generate, see above).
         sleep_level: ``llm.sleep`` level when colocated: 1 keeps a CPU copy of the weights, 2 discards
@@ -262,8 +222,8 @@ class VLLMRollout:
     it. A trainer must sync after every update and, after a resume, before the first rollout.
     """
 
-    def __init__(self, llm: Any, processor: Any, *, max_new_tokens: int = 256, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, colocate: bool = False, sleep_level: int = 1,
+    def __init__(self, llm: Any, processor: Any, sampling: SamplingSettings | None = None, *, seed: int = 0,
+                 colocate: bool = False, sleep_level: int = 1,
                  eos_token_id: int | Sequence[int] | None = None,
                  param_shapes: Mapping[str, Sequence[int]] | None = None, **llm_kwargs: Any):
         try:
@@ -273,8 +233,10 @@ class VLLMRollout:
                 "VLLMRollout needs the 'vllm' package (GPU hosts only: pip install vllm); "
                 f"it could not be imported ({err}). Use LocalRollout instead."
             ) from None
-        if temperature <= 0:
-            raise KeyeConfigError(f"temperature must be > 0 for sampling rollouts, got {temperature}")
+        stray = sorted(set(llm_kwargs) & {f.name for f in dataclasses.fields(SamplingSettings)})
+        if stray:
+            raise KeyeConfigError(f"VLLMRollout: {stray} are sampling settings: pass them in sampling=SamplingSettings(...), "
+                                  "not as vllm.LLM arguments")
         if sleep_level not in (1, 2):
             raise KeyeConfigError(f"sleep_level must be 1 or 2 (vLLM's sleep levels), got {sleep_level}")
         self._vllm = vllm
@@ -298,10 +260,9 @@ class VLLMRollout:
             self.llm = llm
             path = _engine_model_path(llm)
         self.processor = processor
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
+        self.sampling = sampling if sampling is not None else SamplingSettings()
+        s = self.sampling
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = s.max_new_tokens, s.temperature, s.top_p, s.top_k
         self.seed = seed
         eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_ids = None if eos is None else [int(e) for e in eos]

@@ -1,7 +1,7 @@
 """A streaming rollout worker over a whole :class:`keye.KeyeVL`: the real engine behind asynchronous RL.
 
-:class:`StreamWorker` implements :class:`keye.rl.distributed.rollout_manager.RolloutWorker`. It holds any number of
-requests (:class:`keye.rl.distributed.trajectory.Request`: a prompt, the answer tokens generated so far, an attempt
+:class:`StreamWorker` implements :class:`keye.rl.rollout.rollout_manager.RolloutWorker`. It holds any number of
+requests (:class:`keye.rl.rollout.trajectory.Request`: a prompt, the answer tokens generated so far, an attempt
 number) and decodes them together with the KV cache, a *chunk* of ``chunk_tokens`` tokens at a time:
 
 * a request joins the running batch between chunks: its prompt and the tokens it already has are prefilled
@@ -9,7 +9,7 @@ number) and decodes them together with the KV cache, a *chunk* of ``chunk_tokens
   the rows already decoding keep their caches (continuous batching);
 * each sampled token's *behaviour* log-prob is recorded under the distribution it was drawn from (tempered,
   then top-k / top-p filtered, as :class:`keye.rl.rollout.engines.LocalRollout` records ``rollout_logp``), together
-  with the weight version that sampled it (:class:`~keye.rl.distributed.rollout_manager.TokenChunk`);
+  with the weight version that sampled it (:class:`~keye.rl.rollout.rollout_manager.TokenChunk`);
 * :meth:`StreamWorker.load_weights` runs between chunks only (never inside one: a chunk, hence a token,
   never mixes versions); the caches computed with the old weights are dropped and every unfinished answer is
   prefilled again (prompt + its tokens so far) under the new weights before it continues - a *partial
@@ -19,11 +19,8 @@ With ``background=True`` a thread decodes whenever there is work and the worker 
 :meth:`StreamWorker.poll` only collects what it produced (generation then overlaps whatever the caller does,
 e.g. training); otherwise every :meth:`StreamWorker.poll` decodes one chunk first (deterministic, for tests).
 
-:class:`StreamWorkerActor` is the same worker as a Ray actor (it loads the model itself) and
-:class:`RayRolloutWorker` the driver-side adapter the :class:`~keye.rl.distributed.rollout_manager.RolloutManager` drives:
-every protocol call is a ``ray.get`` on the actor; a dead actor (or any failed call) makes the adapter
-report ``alive() == False`` and raise, and the manager replaces it through its factory. Ray is imported only
-by those two classes.
+The same worker as a Ray actor, and the driver-side adapter the rollout manager drives, are in
+:mod:`keye.rl.distributed.stream_workers`.
 
 Requests carry their prompt in the group ``meta``: ``meta["messages"]`` (the conversation up to the user
 turn, as in :class:`keye.rl.rollout.samples.RLPrompt`) and ``meta["mode"]`` (thinking mode or None); the worker
@@ -50,10 +47,11 @@ import numpy as np
 import torch
 
 from keye.errors import KeyeConfigError, KeyeError, KeyeInputError
-from keye.rl.distributed.rollout_manager import Finished, TokenChunk
-from keye.rl.distributed.trajectory import Request
-from keye.rl.rollout.engines import load_weight_shards
+from keye.rl.rollout.rollout_manager import Finished, TokenChunk
 from keye.rl.rollout.samples import PromptInputs, collate_prompts, split_batch
+from keye.rl.rollout.settings import SamplingSettings
+from keye.rl.rollout.trajectory import Request
+from keye.train.models import load_weight_shards
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +127,10 @@ class StreamWorker:
     Args:
         model: a :class:`keye.KeyeVL` with whole weights (used under ``no_grad`` in eval mode).
         processor: a :class:`keye.KeyeProcessor` (prompts are processed here, cached per group).
-        max_new_tokens: answer budget when a request carries none.
-        temperature, top_p, top_k: the sampling distribution (recorded log-probs are under it).
+        sampling: the run's :class:`~keye.rl.rollout.settings.SamplingSettings`: ``max_new_tokens`` is the answer
+            budget when a request carries none, the recorded log-probs are under its distribution (temperature,
+            top-p, top-k) and ``max_batch_size`` rows are decoded together (further requests wait).
         chunk_tokens: tokens decoded per chunk (the granularity of pauses and weight loads).
-        max_batch: rows decoded together; further requests wait.
         seed: seeds the sampling generator.
         version: weight version the model holds at construction.
         eos_token_id: stop ids (default: the model config's).
@@ -142,22 +140,19 @@ class StreamWorker:
         prompt_cache: processed prompts kept (per group id).
     """
 
-    def __init__(self, model: torch.nn.Module, processor: Any, *, max_new_tokens: int = 256, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, chunk_tokens: int = 4, max_batch: int = 64, seed: int = 0,
-                 version: int = 0, eos_token_id: int | Sequence[int] | None = None,
+    def __init__(self, model: torch.nn.Module, processor: Any, sampling: SamplingSettings | None = None, *,
+                 chunk_tokens: int = 4, seed: int = 0, version: int = 0, eos_token_id: int | Sequence[int] | None = None,
                  answer_length: Callable[[str, int], int] | None = None, background: bool = False,
                  prompt_cache: int = 256):
-        if chunk_tokens < 1 or max_batch < 1 or max_new_tokens < 1:
-            raise KeyeConfigError(f"chunk_tokens, max_batch and max_new_tokens must be >= 1, got {chunk_tokens}, "
-                                  f"{max_batch}, {max_new_tokens}")
-        if temperature <= 0:
-            raise KeyeConfigError(f"temperature must be > 0 for sampling rollouts, got {temperature}")
+        if chunk_tokens < 1:
+            raise KeyeConfigError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        s = self.sampling = sampling if sampling is not None else SamplingSettings()
         self.model = model.eval().requires_grad_(False)
         self.processor = processor
-        self.max_new_tokens = max_new_tokens
-        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
+        self.max_new_tokens = s.max_new_tokens
+        self.temperature, self.top_p, self.top_k = float(s.temperature), float(s.top_p), int(s.top_k)
         self.chunk_tokens = chunk_tokens
-        self.max_batch = max_batch
+        self.max_batch = s.max_batch_size
         self.version = int(version)
         eos = model.config.eos_token_ids if eos_token_id is None else eos_token_id
         self.eos_ids = [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
@@ -460,135 +455,3 @@ class StreamWorker:
             self._finish(row, reason)
 
 
-# ------------------------------------------------------------------------------------------------ Ray
-class StreamWorkerActor:
-    """A :class:`StreamWorker` in its own process (wrap with ``ray.remote``): loads the whole model from
-    ``model_path`` (and the processor from ``processor_path``), decodes in a background thread.
-
-    Args:
-        settings: :class:`StreamWorker` keyword arguments (``background`` is forced on).
-        dtype: model dtype (``"float32"``, ``"bfloat16"``, ...). device: ``"cpu"``, ``"cuda"`` or ``"auto"``
-            (cuda when the actor was given a GPU). torch_threads: CPU threads for torch (None: unchanged).
-        version: the weight version the checkpoint at ``model_path`` is.
-    """
-
-    def __init__(self, model_path: str, processor_path: str, settings: dict[str, Any], *, dtype: str = "float32",
-                 device: str = "auto", torch_threads: int | None = None, attn_implementation: str | None = None):
-        from keye.model.keye_vl import KeyeVL
-        from keye.processing.processor import KeyeProcessor
-
-        if torch_threads:
-            torch.set_num_threads(int(torch_threads))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = KeyeVL.from_pretrained(model_path, torch_dtype=dtype, **kw).to(device)
-        processor = KeyeProcessor.from_pretrained(processor_path)
-        self.worker = StreamWorker(model, processor, **{**settings, "background": True})
-
-    def submit(self, requests: Sequence[Request]) -> None:
-        """:meth:`StreamWorker.submit`."""
-        self.worker.submit(requests)
-
-    def poll(self) -> list[TokenChunk | Finished]:
-        """:meth:`StreamWorker.poll`."""
-        return self.worker.poll()
-
-    def pause(self) -> None:
-        """:meth:`StreamWorker.pause`."""
-        self.worker.pause()
-
-    def resume(self) -> None:
-        """:meth:`StreamWorker.resume`."""
-        self.worker.resume()
-
-    def load_weights(self, shard_refs: Sequence[Any], version: int) -> int:
-        """:meth:`StreamWorker.load_weights` from Ray object references of the shards, fetched one at a
-        time (the actor never holds more than one shard beyond its model)."""
-        import ray
-
-        return self.worker.load_weights((ray.get(ref) for ref in shard_refs), version)
-
-    def alive(self) -> bool:
-        """:meth:`StreamWorker.alive`."""
-        return self.worker.alive()
-
-    def pid(self) -> int:
-        """This actor's process id."""
-        return os.getpid()
-
-    def counts(self) -> dict[str, int]:
-        """The worker's counters (requests, chunks, tokens, prefills, re-prefilled rows, weight loads)."""
-        return dict(self.worker.counts)
-
-
-class RayRolloutWorker:
-    """Driver-side :class:`~keye.rl.distributed.rollout_manager.RolloutWorker` over a :class:`StreamWorkerActor` handle.
-
-    Each protocol call is ``ray.get(actor.method.remote(...), timeout=timeout_s)``. The first failure (the
-    actor died: ``RayActorError``; a timeout; an error inside the actor) marks the adapter dead, kills the
-    actor (so a hung one cannot come back) and re-raises; :meth:`alive` is False from then on and the
-    rollout manager replaces the worker and requeues its requests. ``load_weights`` takes a list of Ray
-    object references of the shards (put once by the driver, fetched by every actor).
-    """
-
-    def __init__(self, handle: Any, *, timeout_s: float = RAY_CALL_TIMEOUT_S):
-        self.handle = handle
-        self.timeout_s = timeout_s
-        self.dead = False
-        self._pid: int | None = None
-
-    def _call(self, name: str, *args: Any) -> Any:
-        import ray
-
-        if self.dead:
-            raise WorkerFailed(f"rollout actor is dead ({name} refused)")
-        try:
-            return ray.get(getattr(self.handle, name).remote(*args), timeout=self.timeout_s)
-        except Exception:
-            self.dead = True
-            self.kill()
-            raise
-
-    def submit(self, requests: Sequence[Request]) -> None:
-        """Hand the requests to the actor."""
-        self._call("submit", list(requests))
-
-    def poll(self) -> list[TokenChunk | Finished]:
-        """The actor's events since the last poll."""
-        return self._call("poll")
-
-    def pause(self) -> None:
-        """Pause the actor at a chunk boundary."""
-        self._call("pause")
-
-    def resume(self) -> None:
-        """Resume the actor."""
-        self._call("resume")
-
-    def load_weights(self, shards: Sequence[Any], version: int) -> None:
-        """Load the shards (a list of object references) as ``version``."""
-        self._call("load_weights", list(shards), int(version))
-
-    def alive(self) -> bool:
-        """False after any failed call."""
-        return not self.dead
-
-    def pid(self) -> int:
-        """The actor's process id (cached after the first call)."""
-        if self._pid is None:
-            self._pid = int(self._call("pid"))
-        return self._pid
-
-    def counts(self) -> dict[str, int]:
-        """The actor's counters."""
-        return self._call("counts")
-
-    def kill(self) -> None:
-        """Kill the actor (no Ray restart); errors are ignored (it may already be gone)."""
-        import ray
-
-        try:
-            ray.kill(self.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - killing a dead actor may fail in several ways; it is gone either way
-            pass

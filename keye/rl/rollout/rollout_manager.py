@@ -1,6 +1,6 @@
 """The rollout manager of asynchronous RL (SeamlessFlow's rollout/inference manager, training.md §5).
 
-:class:`RolloutManager` sits between a :class:`~keye.rl.distributed.trajectory.TrajectoryManager` and ``N`` rollout
+:class:`RolloutManager` sits between a :class:`~keye.rl.rollout.trajectory.TrajectoryManager` and ``N`` rollout
 workers. Each :meth:`RolloutManager.step` it
 
 1. restarts workers that died (``alive()`` is False or any call raised) and returns their in-flight
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from keye.errors import KeyeConfigError, KeyeError
-from keye.rl.distributed.trajectory import Request, TrajectoryManager
+from keye.rl.rollout.trajectory import Request, TrajectoryManager
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Finished:
 class RolloutWorker(Protocol):
     """What the rollout manager needs from a worker.
 
-    - ``submit(requests)``: start generating the :class:`~keye.rl.distributed.trajectory.Request` s (continuing their
+    - ``submit(requests)``: start generating the :class:`~keye.rl.rollout.trajectory.Request` s (continuing their
       ``tokens``); returns at once.
     - ``poll()``: the :class:`TokenChunk` / :class:`Finished` events produced since the last poll, in order
       per request (a request's chunks come before its ``Finished``).
@@ -111,7 +111,7 @@ class RolloutManager:
     """Routes trajectory-manager requests to rollout workers and streams their output back.
 
     Args:
-        trajectories: the :class:`~keye.rl.distributed.trajectory.TrajectoryManager` that owns the trajectories.
+        trajectories: the :class:`~keye.rl.rollout.trajectory.TrajectoryManager` that owns the trajectories.
         factory: ``factory(index) -> RolloutWorker``, called for the initial workers and for each restart
             (a new worker serves the weights it was built with until the manager loads the latest ones).
         num_workers: how many workers.
