@@ -41,7 +41,8 @@ def add_mode_suffix(conversation: list[dict[str, Any]], mode: str | None) -> lis
     the last user message (:func:`keye.processing.chat.apply_mode`); a user message with no text item gets a
     new text item holding only the switch. This is for engines that take the prompt as text (a served
     model); :class:`keye.eval.runner.KeyeEngine` passes the mode to the processor instead. Raises
-    ``KeyeInputError`` for an unknown mode or, when there is a switch to add, no user message.
+    ``KeyeInputError`` for an unknown mode or, when there is a switch to add, no user message or one whose
+    content is neither a string nor a list.
     """
     # Imported here: the processing package loads torch, and the runner imports this module for post_process.
     from keye.processing.chat import apply_mode
@@ -50,6 +51,9 @@ def add_mode_suffix(conversation: list[dict[str, Any]], mode: str | None) -> lis
     conv = copy.deepcopy(conversation)
     if not suffix:
         return conv
-    if not any(isinstance(m, dict) and m.get("role") == "user" for m in conv):
+    users = [m for m in conv if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
         raise KeyeInputError("conversation has no user message to carry the thinking-mode switch")
+    if not isinstance(users[-1].get("content"), (str, list)):
+        raise KeyeInputError("user message content must be a string or a list of items")
     return apply_mode(conv, mode)
