@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 
@@ -30,6 +29,3 @@ def tiny_model():
     return make_tiny_model("preview", seed=0)
 
 
-def image(seed: int, h: int = 56, w: int = 84) -> np.ndarray:
-    """A random RGB test image."""
-    return np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)

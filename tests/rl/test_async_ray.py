@@ -1,7 +1,7 @@
-"""Asynchronous RL on a local Ray cluster (keye.rl.loop.streaming through the one RL loop): the staleness bound holds on every trained answer's
-recorded versions, answers continue across weight updates, a rollout worker killed by its pid loses nothing, a
-driver killed with SIGKILL resumes from its checkpoint and trains the same number of answers, and the learner is
-the Ray learner group (2 FSDP2 ranks train with no policy weights in the driver and match 1 rank)."""
+"""Asynchronous RL on a local Ray cluster (keye.rl.loop.streaming, the one RL loop's asynchronous batch source):
+the staleness bound holds on every trained answer's recorded versions, answers continue across weight updates, a
+rollout worker killed by its pid loses nothing, and the learner is the Ray learner group (2 FSDP2 ranks train with
+no policy weights in the driver and match 1 rank). A driver killed with SIGKILL and resumed: tests/rl/test_resume.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -171,41 +169,6 @@ def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path)
     assert any(x["retries"] >= 1 for x in lines)  # a requeued answer was finished elsewhere and trained once
 
 
-_DRIVER = """
-import json, sys
-from keye.recipes.rlep import train
-from keye.train.config import load_config
-from keye.recipes.rlep import RLEPConfig
-train(load_config(RLEPConfig, None, json.loads(sys.argv[1])))
-"""
-
-
-def test_driver_killed_with_sigkill_resumes_and_trains_the_same_number_of_answers(fx, cluster, tmp_path):
-
-    out = tmp_path / "crash"
-    args = _overrides(fx, out, "checkpoint.save_every=1", "checkpoint.keep_last=3")
-    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(args + [f"rl.ray.address={cluster}"])],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first = out / "step_00000001" / "DONE"
-    deadline = time.time() + 180
-    while not first.is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert first.is_file(), f"the driver wrote no checkpoint: {proc.stderr.read()[-3000:] if proc.poll() else ''}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    proc.stderr.close()
-    ckpts = sorted(p for p in out.glob("step_*") if (p / "DONE").is_file())
-    assert ckpts[-1].name != "step_00000004", "the driver finished before it was killed"
-    saved = torch.load(ckpts[-1] / "loader_rank0.pt", weights_only=False)["trajectories"]
-    waiting = {t["id"] for t in saved["trajectories"]}
-    assert waiting, "the checkpoint holds no answer in flight or waiting for its group"
-
-    summary = train(load_config(RLEPConfig, None, args))  # the rerun joins this process's cluster
-    assert summary["finished"] and summary["steps"] == 4
-    assert summary["trained_trajectories"] == 4 * B * G  # the same as an uninterrupted run
-    lines = _check_log(out, 4, K)  # rows of the lost updates were cut back: every answer trained once
-    done = int(ckpts[-1].name.split("_")[1])
-    assert waiting <= {x["id"] for x in lines if x["step"] > done}  # the checkpoint's queue and pool went on
 
 
 def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, cluster, tmp_path):

@@ -1,6 +1,6 @@
 """RL on Ray, sync mode (keye/rl/distributed/): the Ray loop equals the in-process loop for the same seed
 (one learner actor exactly, two FSDP2 learner actors within 2e-5), a killed rollout worker is restarted and
-its request re-sent without changing the results, a resumed Ray run equals the uninterrupted one, reward
+its request re-sent without changing the results (a killed and resumed Ray run: tests/rl/test_resume.py), reward
 workers that die or hang are replaced and their share re-scored, and the in-process recipe never imports Ray.
 
 The Ray tests share one local cluster (2 CPUs, no dashboard) started by a module fixture and shut down after.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,11 +30,8 @@ from keye.rl.learner.learner import Learner, UpdateResult
 from keye.rl.rollout.samples import PromptInputs
 from keye.train.config import load_config
 from tests.conftest import TORCH_THREADS
+from tests.recipes import at_config, rl_config
 from tests.rl import _ray_helpers
-from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
-from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - fixture used by name
-from tests.train.test_rlep_autothink import _cfg as _at_cfg
-from tests.train.test_rlep_autothink import at_set  # noqa: F401 - fixture used by name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,21 +84,20 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+def reference(tiny_ckpt, rl_set, tmp_path_factory):
     """The in-process run every Ray run is compared with."""
     out = tmp_path_factory.mktemp("ref") / "run"
     torch.set_num_threads(TORCH_THREADS)  # as inside a test (a module fixture runs before the per-test setting)
-    summary = train(_cfg(tiny_ckpt, rl_set, out, *ARGS, f"eval.manifest={rl_set['test']}"))
+    summary = train(rl_config(tiny_ckpt, rl_set, out, *ARGS, f"eval.manifest={rl_set['test']}"))
     return summary, out
 
 
 @pytest.fixture(scope="module")
-def one_actor_run(ray_cluster, tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
-    """``reference``'s run on Ray with one learner actor; its step-1 checkpoint also serves
-    test_ray_run_resumes_exactly (one Ray run fewer)."""
+def one_actor_run(ray_cluster, tiny_ckpt, rl_set, tmp_path_factory):
+    """``reference``'s run on Ray with one learner actor."""
     run = tmp_path_factory.mktemp("ray1") / "ray"
     torch.set_num_threads(TORCH_THREADS)
-    return train(_cfg(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY)), run
+    return train(rl_config(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY)), run
 
 
 # ------------------------------------------------------------------------------------------ fast
@@ -230,7 +225,7 @@ def test_weight_broadcast_wire_format_is_exact(tmp_path):
             assert got[k].dtype == sent[k].dtype and got[k].shape == sent[k].shape and torch.equal(got[k], sent[k])
 
 
-def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):
     over = [f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=1", "rollout.G=2",
             "rollout.max_new_tokens=2", "replay.enabled=false", "train.steps=1", "log.progress=false",
             "train.device=cpu", f"checkpoint.out_dir={tmp_path / 'run'}"]
@@ -245,7 +240,7 @@ def test_in_process_recipe_does_not_import_ray(tiny_ckpt, rl_set, tmp_path):  # 
 
 # ------------------------------------------------------------------------------------------ Ray runs
 @pytest.mark.slow
-def test_one_learner_actor_equals_one_process(ray_cluster, reference, one_actor_run, tiny_ckpt):  # noqa: F811
+def test_one_learner_actor_equals_one_process(ray_cluster, reference, one_actor_run, tiny_ckpt):
     ref, ref_dir = reference
     got, run = one_actor_run
     assert got["finished"] and got["steps"] == 2 and got["strategy"] == "none"
@@ -262,10 +257,10 @@ def test_one_learner_actor_equals_one_process(ray_cluster, reference, one_actor_
 
 
 @pytest.mark.slow
-def test_two_fsdp2_learner_actors_equal_one_process(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_two_fsdp2_learner_actors_equal_one_process(ray_cluster, reference, tiny_ckpt, rl_set, tmp_path):
     ref, ref_dir = reference
     run = tmp_path / "ray2"
-    got = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY, "rl.ray.learners=2", "train.strategy=fsdp2",
+    got = train(rl_config(tiny_ckpt, rl_set, run, *ARGS, *RAY, "rl.ray.learners=2", "train.strategy=fsdp2",
                      "rl.ray.torch_threads=1"))
     assert got["finished"] and got["strategy"] == "fsdp2"
     # the rollouts sample the (numerically equal) updated policy, so they are the same answers
@@ -285,7 +280,7 @@ def test_two_fsdp2_learner_actors_equal_one_process(ray_cluster, reference, tiny
 
 
 @pytest.mark.slow
-def test_killed_rollout_worker_is_restarted_and_changes_nothing(ray_cluster, reference, tiny_ckpt, rl_set,  # noqa: F811
+def test_killed_rollout_worker_is_restarted_and_changes_nothing(ray_cluster, reference, tiny_ckpt, rl_set,
                                                                  tmp_path):
     ref, ref_dir = reference
     run = tmp_path / "kill"
@@ -304,7 +299,7 @@ def test_killed_rollout_worker_is_restarted_and_changes_nothing(ray_cluster, ref
 
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     killer.start()
-    got = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, *RAY))
+    got = train(rl_config(tiny_ckpt, rl_set, run, *ARGS, *RAY))
     killer.join(timeout=5)
     assert killed, "the rollout worker was not killed during the run"
     events = _events(run)
@@ -315,25 +310,6 @@ def test_killed_rollout_worker_is_restarted_and_changes_nothing(ray_cluster, ref
     assert got["finished"] and got["losses"] == ref["losses"] and got["rewards"] == ref["rewards"]
     steps = [r for r in _rows(run) if "loss" in r]
     assert steps == [r for r in _rows(ref_dir) if "loss" in r]
-    a, b = _weights(ref_dir / "final"), _weights(run / "final")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    _assert_released(ray_cluster)
-
-
-@pytest.mark.slow
-def test_ray_run_resumes_exactly(ray_cluster, reference, one_actor_run, tiny_ckpt, rl_set, tmp_path):  # noqa: F811
-    """A Ray run that crashed after step 1: the step-1 checkpoint of ``one_actor_run`` (written by the learner
-    actor with the driver's run state), alone in a new folder. A new Ray run resumes from it and ends where
-    the uninterrupted in-process run ends."""
-    ref, ref_dir = reference
-    run = tmp_path / "resume"
-    shutil.copytree(one_actor_run[1] / "step_00000001", run / "step_00000001")
-    assert (run / "step_00000001" / "DONE").is_file() and list(run.iterdir()) == [run / "step_00000001"]
-    gc.collect()
-    resumed = train(_cfg(tiny_ckpt, rl_set, run, *ARGS, f"eval.manifest={rl_set['test']}", *RAY))
-    assert resumed["finished"] and resumed["steps"] == 2
-    assert resumed["losses"] == ref["losses"] and resumed["rewards"] == ref["rewards"]
-    assert resumed["eval_curve"] == ref["eval_curve"]
     a, b = _weights(ref_dir / "final"), _weights(run / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
     _assert_released(ray_cluster)
@@ -382,14 +358,14 @@ def test_reward_workers_that_die_or_hang_are_replaced(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt, rl_set, tmp_path, caplog):  # noqa: F811
+def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt, rl_set, tmp_path, caplog):
     """Two rollout workers (prompts split by index, worker k seeded by worker_seed(step seed, k)), weights
     broadcast over a gloo group of learner rank 0 and the workers: equal to the same run through the object
     store, also when worker 1 is killed mid-run (replaced, group formed again, weights broadcast again)."""
     import logging
 
     base = ("train.steps=2", "rl.ray.rollout_workers=2", "rl.ray.reward_workers=0", *RAY[:3], RAY[-1])
-    store = train(_cfg(tiny_ckpt, rl_set, tmp_path / "store", *base, "rl.ray.weight_sync=object_store"))
+    store = train(rl_config(tiny_ckpt, rl_set, tmp_path / "store", *base, "rl.ray.weight_sync=object_store"))
     run = tmp_path / "bcast"
     killed: dict[str, int] = {}
 
@@ -406,7 +382,7 @@ def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt,
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     killer.start()
     with caplog.at_level(logging.INFO, logger="keye.rl.distributed"):
-        got = train(_cfg(tiny_ckpt, rl_set, run, *base, "rl.ray.weight_sync=broadcast"))
+        got = train(rl_config(tiny_ckpt, rl_set, run, *base, "rl.ray.weight_sync=broadcast"))
     killer.join(timeout=5)
     assert killed, "rollout worker 1 was not killed during the run"
     synced = [r.getMessage() for r in caplog.records if "synced to 2 rollout worker(s)" in r.getMessage()]
@@ -421,15 +397,15 @@ def test_broadcast_sync_with_two_workers_survives_a_kill(ray_cluster, tiny_ckpt,
 
 
 @pytest.mark.slow
-def test_autothink_on_ray_equals_one_process(ray_cluster, tiny_ckpt, at_set, tmp_path):  # noqa: F811
+def test_autothink_on_ray_equals_one_process(ray_cluster, tiny_ckpt, at_set, tmp_path):
     """``algorithm.autothink`` on the synchronous Ray engine: the linked auto / /think / /no_think groups are
     sampled by the rollout actor, scored by the reward actor and trained by the learner actor, with the same
     samples, mode-selection rewards, recorded groups and final weights as the in-process run."""
     from keye.rl.algorithms.autothink import GroupLog
 
     extra = ("train.steps=2", "algorithm.mini_batches=2", "reward.spec={rewards: [accuracy, format]}")
-    ref = train(_at_cfg(tiny_ckpt, at_set, tmp_path / "ref", *extra))
-    got = train(_at_cfg(tiny_ckpt, at_set, tmp_path / "ray", *extra, *RAY))
+    ref = train(at_config(tiny_ckpt, at_set, tmp_path / "ref", *extra))
+    got = train(at_config(tiny_ckpt, at_set, tmp_path / "ray", *extra, *RAY))
     assert got["finished"] and got["steps"] == 2 and "engine: ray" in (tmp_path / "ray" / "config.yaml").read_text()
     assert got["losses"] == ref["losses"] and got["rewards"] == ref["rewards"]
     assert got["param_checksum"] == ref["param_checksum"]

@@ -13,7 +13,7 @@ from keye.rl.rollout.engines import LocalRollout, VLLMRollout
 from keye.rl.rollout.samples import RLPrompt, collate_prompts, collate_samples, split_batch
 from keye.rl.rollout.settings import SamplingSettings
 from keye.train.logprobs import token_logprobs
-from tests.rl.conftest import image
+from tests.rl.helpers import image
 
 # a third of the ordinary vocabulary stops generation, so rows end at different lengths
 STOP_IDS = list(range(0, 480, 3)) + [482]

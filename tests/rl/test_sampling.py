@@ -98,7 +98,9 @@ def _scored_group(prompt_id, rewards, passed, valid=None):
             for r, ok, v in zip(rewards, passed, valid)]
 
 
-def test_dynamic_sampling_filters_on_accuracy_by_default():
+def test_group_signal_and_dynamic_sample_by_metric():
+    """The helpers under dynamic sampling; the recipe's default is driven for real in
+    tests/train/test_rlep.py::test_dynamic_sampling_drops_groups_on_accuracy_by_default."""
     # "wrong": every answer wrong, format rewards differ (total reward 0 / 0.5 / 1 from the format part);
     # "mixed": one right answer; "right": all right, one badly formatted; "replayed": all fresh answers wrong
     # plus a replayed success and a missing replay slot

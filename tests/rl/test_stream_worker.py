@@ -18,7 +18,7 @@ from keye.rl.rollout.stream_worker import AnswerLengths, StreamWorker, WorkerFai
 from keye.rl.rollout.trajectory import Request
 from keye.testing.model import make_tiny_model
 from keye.train.logprobs import model_inputs, token_logprobs
-from tests.rl.conftest import image
+from tests.rl.helpers import image
 
 # a seventh of the ordinary vocabulary stops an answer, so answers end at different lengths
 STOP_IDS = list(range(0, 480, 7))

@@ -8,10 +8,8 @@ import torch
 from keye.errors import KeyeInputError
 from keye.rl.algorithms.replay import ReplayEntry, ReplayPool, add_replay
 from keye.rl.algorithms.update import accumulate_policy_gradients, assign_advantages, fill_logprobs
-from keye.rl.rollout.engines import LocalRollout
 from keye.rl.rollout.samples import PromptInputs, RLPrompt, RolloutSample
-from keye.rl.rollout.settings import SamplingSettings
-from tests.rl.conftest import image
+from tests.rl.helpers import rl_samples
 
 EPS = 1e-6
 
@@ -77,28 +75,8 @@ def test_add_replay_orders_groups_and_pads_missing_slots():
     assert out[2].inputs is fresh[0].inputs
 
 
-def _rl_samples(model, processor):
-    prompts = [
-        RLPrompt("img", [{"role": "user", "content": [{"type": "image", "image": image(4)},
-                                                      {"type": "text", "text": "describe"}]}], mode="think"),
-        RLPrompt("txt", [{"role": "user", "content": "say hi"}], mode="no_think"),
-    ]
-    stops = list(range(0, 480, 4)) + [482]
-    fresh = LocalRollout(model, processor, SamplingSettings(max_new_tokens=6), seed=2, eos_token_id=stops).generate(prompts, 3)
-    pool = ReplayPool()
-    pool.add(ReplayEntry("img", "replayed answer", None, metadata={"mode": "think"}))
-    enc = lambda t: processor.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-    samples = add_replay(fresh, pool, 2, encode=enc, eos_id=482, max_response_len=8)
-    gen = torch.Generator().manual_seed(0)
-    for s in samples:
-        s.reward = float(torch.rand((), generator=gen))
-    assign_advantages(samples)
-    fill_logprobs(model, samples, pad_id=processor.pad_token_id, micro_batch_size=3)
-    return samples
-
-
 def test_first_update_has_unit_ratio_including_replay(tiny_model, rl_processor):
-    samples = _rl_samples(tiny_model, rl_processor)
+    samples = rl_samples(tiny_model, rl_processor)
     assert sum(s.source == "replay" and s.valid for s in samples) == 1
     tiny_model.train()
     stats = accumulate_policy_gradients(tiny_model, samples, pad_id=rl_processor.pad_token_id, micro_batch_size=4)
@@ -109,7 +87,7 @@ def test_first_update_has_unit_ratio_including_replay(tiny_model, rl_processor):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_gradients_do_not_depend_on_micro_batching(tiny_model, rl_processor, loss_agg):
-    samples = _rl_samples(tiny_model, rl_processor)
+    samples = rl_samples(tiny_model, rl_processor)
     gen = torch.Generator().manual_seed(1)
     for s in samples:  # move the behaviour policy away so clipping and dual clip are exercised
         if s.old_logp is not None:
@@ -130,7 +108,7 @@ def test_gradients_do_not_depend_on_micro_batching(tiny_model, rl_processor, los
 
 
 def test_a_descent_step_moves_log_probs_in_the_advantage_direction(tiny_model, rl_processor):
-    samples = _rl_samples(tiny_model, rl_processor)
+    samples = rl_samples(tiny_model, rl_processor)
     live = [s for s in samples if s.valid]
     for i, s in enumerate(live):
         s.advantage = 1.0 if i % 2 == 0 else -1.0

@@ -24,7 +24,7 @@ from keye.rl.rollout.settings import SamplingSettings
 from keye.testing.model import save_tiny_checkpoint
 from keye.testing.processor import make_test_video, make_tiny_processor_dir
 from keye.train.logprobs import token_logprobs
-from tests.rl.conftest import image
+from tests.rl.helpers import image
 from tests.train import _fake_vllm
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import synth_set, tiny_ckpt  # noqa: F401 - fixtures used by name
-
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("autothink_trace_slips", REPO / "training/autothink_trace_slips.py")
 slips = importlib.util.module_from_spec(_spec)
@@ -43,7 +41,7 @@ def test_summarise_counts_accuracy_edges_and_causes():
     assert t["edge_by_type"] == {"color": -0.5, "count": -0.5}
 
 
-def test_small_run_scores_every_reply_and_writes_the_summary(tiny_ckpt, synth_set, tmp_path, capsys):  # noqa: F811
+def test_small_run_scores_every_reply_and_writes_the_summary(tiny_ckpt, synth_set, tmp_path, capsys):
     rows = [json.loads(x) for x in synth_set["test"].read_text().splitlines()][:3]
     for r in rows:  # the reference trace the script compares with (keye data synth --modes writes it)
         r["modes"] = {"think": f"<think>the clip</think>{r['answer']}"}
@@ -66,7 +64,7 @@ def test_small_run_scores_every_reply_and_writes_the_summary(tiny_ckpt, synth_se
     assert "| greedy |" in capsys.readouterr().out
 
 
-def test_a_row_without_a_reference_trace_is_named(tiny_ckpt, synth_set):  # noqa: F811
+def test_a_row_without_a_reference_trace_is_named(tiny_ckpt, synth_set):
     row = json.loads(synth_set["test"].read_text().splitlines()[0])
     row.pop("modes", None)
     data = synth_set["test"].parent / "slips_no_trace.jsonl"

@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from tests.torchrun import job_args, torchrun
 from tests.train import _learner_run
-from tests.train.test_rlep import rl_set  # noqa: F401 - fixture used by name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +29,7 @@ def _torchrun(*jobs: list[object]) -> None:
              reruns_after_signal=1)
 
 
-def _loop_args(tiny_ckpt, rl_set, *extra):  # noqa: F811
+def _loop_args(tiny_ckpt, rl_set, *extra):
     return [f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=2", "rollout.G=2",
             "rollout.max_new_tokens=4", f"replay.pool={rl_set['pool']}", "replay.M=1", "train.lr=1e-3",
             "train.steps=3", "log.progress=false", "train.device=cpu", "algorithm.mini_batches=2",
@@ -39,7 +38,7 @@ def _loop_args(tiny_ckpt, rl_set, *extra):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def two_procs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
+def two_procs(tiny_ckpt, rl_set, tmp_path_factory):
     """Every 2-process run of this module as the jobs of ONE torchrun launch of ``_dist_rlep.py`` (a launch
     costs seconds of imports, DeepSpeed's included, whatever it runs), in the same process group one after the
     other, everything DeepSpeed after the rest:
@@ -68,7 +67,7 @@ def two_procs(tiny_ckpt, rl_set, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def learner_runs(tiny_ckpt, rl_set, tmp_path_factory, two_procs):  # noqa: F811
+def learner_runs(tiny_ckpt, rl_set, tmp_path_factory, two_procs):
     """One process (tree on / off) and four 2-process layouts of the same fixed batch."""
     one = tmp_path_factory.mktemp("one")
     for name, tree in (("tree", "true"), ("pad", "false")):
@@ -144,7 +143,9 @@ def test_sharded_training_loop_equals_the_replicated_loop(loop_runs, strategy):
 
 
 @pytest.mark.slow
-def test_fsdp2_kill_and_resume_equals_uninterrupted(loop_runs, tiny_ckpt, rl_set):  # noqa: F811
+def test_fsdp2_sharded_checkpoint_resumes_exactly(loop_runs, tiny_ckpt, rl_set):
+    """The sharded state of a checkpoint (FSDP2 parameters and AdamW shards gathered and re-sharded) restores the
+    run exactly; the loop's own kill-and-resume, per engine, is tests/rl/test_resume.py."""
     out = loop_runs / "part"  # stopped after step 2 by the fixture's launch; resumed here in a fresh one
     assert not (out / "summary.json").exists() or not _summary(out)["finished"]
     assert (out / "step_00000002" / "DONE").is_file() and not (out / "step_00000003").exists()

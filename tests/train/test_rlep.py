@@ -1,5 +1,5 @@
 """RLEP recipe: config checks, prompt stream, tree update == padded update, short real runs (replay,
-metrics, eval curve), exact kill-and-resume, tree on == off, 2-process data parallelism, ``keye rlep collect``."""
+metrics, eval curve), tree on == off (kill-and-resume: tests/rl/test_resume.py), 2-process data parallelism, ``keye rlep collect``."""
 
 from __future__ import annotations
 
@@ -27,40 +27,10 @@ from keye.rl.loop.state import PromptStream
 from keye.rl.rollout.settings import SamplingSettings
 from keye.train import dist as kdist
 from keye.train.config import load_config
+from tests.recipes import rl_config
 from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def rl_set(synth_set) -> dict[str, Path]:
-    """The 4 cheapest training questions (fewest video pixels) as an RL manifest, the first 3 test questions,
-    and a replay pool holding two reference answers per question (synthetic verified successes: a random
-    model almost never answers correctly, so phase B is tested with answers we know are right)."""
-    rows = [json.loads(x) for x in synth_set["train"].read_text().splitlines()]
-    cost = lambda r: r["meta"]["num_frames"] * r["meta"]["width"] * r["meta"]["height"]  # noqa: E731
-    small = sorted(rows, key=cost)[:4]
-    root = synth_set["train"].parent
-    train_path = root / "rl_train.jsonl"
-    train_path.write_text("".join(json.dumps(r) + "\n" for r in small))
-    test_rows = synth_set["test"].read_text().splitlines()[:3]
-    test_path = root / "rl_test.jsonl"
-    test_path.write_text("".join(x + "\n" for x in test_rows))
-    pool = ReplayPool()
-    for r in small:
-        pool.add(ReplayEntry(r["id"], r["answer"], None, 1.0, {"source": "reference"}))
-        pool.add(ReplayEntry(r["id"], f"Answer: {r['answer']}", None, 1.0, {"source": "reference"}))
-    pool_path = pool.save_jsonl(root / "rl_pool.jsonl")
-    return {"train": train_path, "test": test_path, "pool": pool_path}
-
-
-def _cfg(tiny_ckpt, rl_set, out, *extra) -> RLEPConfig:
-    return load_config(RLEPConfig, None, [
-        f"model.path={tiny_ckpt}", f"data.manifest={rl_set['train']}", "data.prompts_per_step=2", "rollout.G=2",
-        "rollout.max_new_tokens=4", f"replay.pool={rl_set['pool']}", "replay.M=2", "train.lr=1e-3",
-        "algorithm.micro_batch_size=3", f"checkpoint.out_dir={out}", "log.progress=false", "log.tensorboard=false",
-        "train.device=cpu", *extra,
-    ])
 
 
 # ------------------------------------------------------------------------------------------ fast
@@ -128,7 +98,7 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set, tmp_path):
     from keye.rl.learner.learner import Learner
 
     torch.manual_seed(0)
-    cfg = _cfg(tiny_ckpt, rl_set, tmp_path, "tree.groups_per_micro_batch=2", "algorithm.eps_low=0.2",
+    cfg = rl_config(tiny_ckpt, rl_set, tmp_path, "tree.groups_per_micro_batch=2", "algorithm.eps_low=0.2",
                "algorithm.eps_high=0.28", "algorithm.dual_clip=3.0", "algorithm.loss_agg=token-mean")
     learner = Learner.from_config(cfg, kdist.init_distributed("cpu"), model_path=tiny_ckpt)
     model = learner.model
@@ -179,9 +149,27 @@ def test_tree_update_equals_padded_update(tiny_ckpt, rl_set, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ real runs
+def test_dynamic_sampling_drops_groups_on_accuracy_by_default(tiny_ckpt, rl_set, tmp_path):
+    """One real step of the recipe with dynamic sampling and the default signal: groups whose answers all fail (a
+    random model) but differ in total reward (a length part that only some answers meet) carry no accuracy signal
+    and are dropped (DAPO); with ``dynamic_sampling_metric=reward`` the same groups are kept - so the default, and
+    the loop's use of it, are what decide."""
+    extra = ("replay.enabled=false", "algorithm.dynamic_sampling=true", "algorithm.max_rounds=1", "rollout.G=4",
+             "rollout.max_new_tokens=6", "train.steps=1",
+             'reward.spec={"rewards": ["accuracy", "length"], "options": {"length_max": 1}}')
+
+    def dynsample(out, *more):
+        train(rl_config(tiny_ckpt, rl_set, out, *extra, *more))
+        row = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][0]
+        return row["dynsample/generated"], row["dynsample/dropped"]
+
+    assert dynsample(tmp_path / "default") == (2.0, 2.0)  # every group: accuracy all 0
+    assert dynsample(tmp_path / "reward", "algorithm.dynamic_sampling_metric=reward") == (2.0, 0.0)
+
+
 @pytest.mark.slow
 def test_short_rlep_run_replays_logs_evaluates_and_exports(tiny_ckpt, rl_set, tmp_path):
-    cfg = _cfg(tiny_ckpt, rl_set, tmp_path / "run", "train.steps=2", "algorithm.ppo_epochs=2",
+    cfg = rl_config(tiny_ckpt, rl_set, tmp_path / "run", "train.steps=2", "algorithm.ppo_epochs=2",
                "algorithm.mini_batches=2", "algorithm.dynamic_sampling=true", "algorithm.difficulty=mixed_up",
                f"eval.manifest={rl_set['test']}", "eval.max_new_tokens=3", "eval.every=1",
                "algorithm.mode_mix={think: 1, no_think: 1}")
@@ -257,31 +245,12 @@ def test_held_out_accuracy_greedy_and_sampled(tiny_ckpt, rl_set):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_equals_uninterrupted(tiny_ckpt, rl_set, tmp_path):
-    # pass_value=0 makes every fresh answer a "success", so the pool grows online and evicts its oldest
-    # entries: the resumed run must restore the grown pool to draw the same replays
-    args = ("train.steps=4", "checkpoint.save_every=2", "checkpoint.keep_last=1", "replay.max_per_question=3",
-            "replay.overflow=drop_oldest", "reward.pass_value=0.0")
-    full = train(_cfg(tiny_ckpt, rl_set, tmp_path / "a", *args))
-    part = train(_cfg(tiny_ckpt, rl_set, tmp_path / "b", *args), stop_after=3)  # "crash" after step 3
-    assert not part["finished"] and part["steps"] == 3
-    assert [p.name for p in sorted((tmp_path / "b").glob("step_*"))] == ["step_00000002"]
-    resumed = train(_cfg(tiny_ckpt, rl_set, tmp_path / "b", *args))
-    assert resumed["finished"] and resumed["steps"] == 4
-    assert resumed["rewards"] == full["rewards"] and resumed["losses"] == full["losses"]
-    assert resumed["pool"] == full["pool"] and full["pool"]["pool/entries"] > 8
-    a = KeyeVL.from_pretrained(tmp_path / "a/final").state_dict()
-    b = KeyeVL.from_pretrained(tmp_path / "b/final").state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.slow
 def test_tree_on_equals_tree_off(tiny_ckpt, rl_set, tmp_path):
     # with a reference model and a KL term, so the reference log-prob pass is compared too
     args = ("train.steps=2", "algorithm.ppo_epochs=2", "algorithm.reference=true", "algorithm.kl_coef=0.05",
             "algorithm.kl_estimator=k3")
-    on = train(_cfg(tiny_ckpt, rl_set, tmp_path / "on", "tree.enabled=true", *args))
-    off = train(_cfg(tiny_ckpt, rl_set, tmp_path / "off", "tree.enabled=false", *args))
+    on = train(rl_config(tiny_ckpt, rl_set, tmp_path / "on", "tree.enabled=true", *args))
+    off = train(rl_config(tiny_ckpt, rl_set, tmp_path / "off", "tree.enabled=false", *args))
     assert on["tree"] and not off["tree"]
     assert on["rewards"] == off["rewards"]
     assert on["losses"] == pytest.approx(off["losses"], abs=1e-5)

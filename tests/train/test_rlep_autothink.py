@@ -12,7 +12,6 @@ import pytest
 
 from keye.errors import KeyeConfigError
 from keye.recipes.rlep import train
-from keye.rl import ReplayEntry, ReplayPool
 from keye.rl.algorithms.autothink import (
     ROLES,
     GroupLog,
@@ -23,42 +22,10 @@ from keye.rl.algorithms.autothink import (
 )
 from keye.rl.config import RLEPConfig, validate
 from keye.train.config import load_config
+from tests.recipes import AT_DIRECT_N, AT_G, AT_M, AT_MAX_NEW, AT_THINK_N, at_config
 
 REPO = Path(__file__).resolve().parents[2]
-G, THINK_N, DIRECT_N, M, MAX_NEW = 2, 2, 3, 2, 32
-
-
-@pytest.fixture(scope="module")
-def at_set(synth_set) -> dict[str, Path]:
-    """The 4 cheapest training questions and a pool of two verified answers per question and mode: a
-    well-formed auto reply that answers directly and one that thinks, a /think and a /no_think answer. A
-    random tiny model almost never answers correctly or in form, so the replayed rows are what makes the
-    bonus and the length penalty appear in the auto groups."""
-    rows = [json.loads(x) for x in synth_set["train"].read_text().splitlines()]
-    cost = lambda r: r["meta"]["num_frames"] * r["meta"]["width"] * r["meta"]["height"]  # noqa: E731
-    small = sorted(rows, key=cost)[:4]
-    root = synth_set["train"].parent
-    train_path = root / "at_train.jsonl"
-    train_path.write_text("".join(json.dumps(r) + "\n" for r in small))
-    pool = ReplayPool()
-    for r in small:
-        a = r["answer"]
-        for text, mode in ((f"<analysis>Easy. /no_think</analysis>{a}", "auto"),
-                           (f"<analysis>Hard. /think</analysis><think>count them</think>{a}", "auto"),
-                           (f"<think>count them</think>{a}", "think"), (f"<think>look</think>{a}", "think"),
-                           (str(a), "no_think"), (f"Answer: {a}", "no_think")):
-            pool.add(ReplayEntry(r["id"], text, None, 1.0, {"mode": mode, "source": "reference"}))
-    return {"train": train_path, "pool": pool.save_jsonl(root / "at_pool.jsonl")}
-
-
-def _cfg(tiny_ckpt, at_set, out, *extra) -> RLEPConfig:
-    return load_config(RLEPConfig, None, [
-        f"model.path={tiny_ckpt}", f"data.manifest={at_set['train']}", "data.prompts_per_step=2", f"rollout.G={G}",
-        f"rollout.max_new_tokens={MAX_NEW}", f"replay.pool={at_set['pool']}", f"replay.M={M}", "train.lr=1e-3",
-        "algorithm.micro_batch_size=4", f"checkpoint.out_dir={out}", "log.progress=false", "train.device=cpu",
-        "algorithm.autothink.enabled=true", f"algorithm.autothink.think_samples={THINK_N}",
-        f"algorithm.autothink.direct_samples={DIRECT_N}", *extra,
-    ])
+G, THINK_N, DIRECT_N, M, MAX_NEW = AT_G, AT_THINK_N, AT_DIRECT_N, AT_M, AT_MAX_NEW
 
 
 def test_autothink_config_checks():
@@ -80,7 +47,7 @@ def test_autothink_config_checks():
 
 
 def test_short_autothink_run_links_records_and_rewards_groups(tiny_ckpt, at_set, tmp_path):
-    cfg = _cfg(tiny_ckpt, at_set, tmp_path / "run", "train.steps=2", "algorithm.dynamic_sampling=true",
+    cfg = at_config(tiny_ckpt, at_set, tmp_path / "run", "train.steps=2", "algorithm.dynamic_sampling=true",
                "algorithm.mini_batches=2", "reward.spec={rewards: [accuracy, format]}")
     summary = train(cfg)
     run = tmp_path / "run"
@@ -130,7 +97,7 @@ def test_short_autothink_run_links_records_and_rewards_groups(tiny_ckpt, at_set,
 
 
 def test_forced_groups_can_stay_out_of_the_update(tiny_ckpt, at_set, tmp_path):
-    cfg = _cfg(tiny_ckpt, at_set, tmp_path / "run", "train.steps=1", "algorithm.autothink.train_forced=false",
+    cfg = at_config(tiny_ckpt, at_set, tmp_path / "run", "train.steps=1", "algorithm.autothink.train_forced=false",
                "algorithm.autothink.record=false")
     train(cfg)
     assert not (tmp_path / "run" / GroupLog.NAME).exists()
@@ -140,7 +107,7 @@ def test_forced_groups_can_stay_out_of_the_update(tiny_ckpt, at_set, tmp_path):
 
 
 def test_explored_decisions_are_forced_trained_and_counted_apart(tiny_ckpt, at_set, tmp_path):
-    cfg = _cfg(tiny_ckpt, at_set, tmp_path / "run", "train.steps=1", "rollout.G=4", "algorithm.autothink.explore=2",
+    cfg = at_config(tiny_ckpt, at_set, tmp_path / "run", "train.steps=1", "rollout.G=4", "algorithm.autothink.explore=2",
                "algorithm.autothink.think_prefix=<think>", "algorithm.autothink.direct_prefix='Answer:'")
     train(cfg)
     records = read_records(tmp_path / "run" / GroupLog.NAME)
@@ -154,19 +121,19 @@ def test_explored_decisions_are_forced_trained_and_counted_apart(tiny_ckpt, at_s
     thinks = [decision_of(x["text"]) == "think" for x in free]
     assert row["autothink/free_think_rate"] == pytest.approx(sum(thinks) / len(thinks))
     with pytest.raises(KeyeConfigError, match="explore"):
-        validate(_cfg(tiny_ckpt, at_set, tmp_path / "bad", f"algorithm.autothink.explore={2 * G}"))
+        validate(at_config(tiny_ckpt, at_set, tmp_path / "bad", f"algorithm.autothink.explore={2 * G}"))
 
 
 @pytest.mark.slow
 def test_autothink_kill_and_resume_equals_uninterrupted(tiny_ckpt, at_set, tmp_path):
     # pass_value=0: every fresh answer "passes", so the pool grows online and the resumed run must restore it
     args = ("train.steps=3", "checkpoint.save_every=1", "checkpoint.keep_last=2", "reward.pass_value=0.0")
-    full = train(_cfg(tiny_ckpt, at_set, tmp_path / "a", *args))
-    part = train(_cfg(tiny_ckpt, at_set, tmp_path / "b", *args), stop_after=2)  # "crash" after step 2...
+    full = train(at_config(tiny_ckpt, at_set, tmp_path / "a", *args))
+    part = train(at_config(tiny_ckpt, at_set, tmp_path / "b", *args), stop_after=2)  # "crash" after step 2...
     assert not part["finished"]
     shutil.rmtree(tmp_path / "b" / "step_00000002")  # ...whose checkpoint is lost: step 2 is redone from step 1
     assert max(r["step"] for r in read_records(tmp_path / "b" / GroupLog.NAME)) == 2
-    resumed = train(_cfg(tiny_ckpt, at_set, tmp_path / "b", *args))
+    resumed = train(at_config(tiny_ckpt, at_set, tmp_path / "b", *args))
     assert resumed["finished"] and resumed["rewards"] == full["rewards"] and resumed["losses"] == full["losses"]
     # the group log of the resumed run forgot the redone step's rows: it equals the uninterrupted run's
     assert read_records(tmp_path / "b" / GroupLog.NAME) == read_records(tmp_path / "a" / GroupLog.NAME)

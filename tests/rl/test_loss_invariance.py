@@ -20,7 +20,7 @@ from keye.testing.model import make_tiny_model
 from keye.train.config import load_config
 from keye.train.logprobs import chunked_token_logprobs
 from keye.train.tree import build_tree, sequence_logprobs, tree_logprobs
-from tests.rl.test_update import _rl_samples
+from tests.rl.helpers import rl_samples
 
 
 # ------------------------------------------------------------------ item 2: Dr.GRPO constant normaliser
@@ -85,7 +85,7 @@ def test_dr_grpo_loss_is_invariant_to_padding_and_split():
 def test_dr_grpo_update_is_invariant_to_micro_batching(tiny_model, rl_processor):
     """The recipe's loss settings through the real update: micro-batches of 1 (each padded to its own
     length) and of 100 (one batch padded to the longest response) give the same gradients."""
-    samples = _rl_samples(tiny_model, rl_processor)
+    samples = rl_samples(tiny_model, rl_processor)
     gen = torch.Generator().manual_seed(1)
     for s in samples:
         if s.old_logp is not None:
@@ -230,7 +230,7 @@ def test_token_logprobs_skip_padding_and_keep_no_full_logits(tiny_model, rl_proc
     from keye.rl.rollout.samples import collate_samples
     from keye.train.logprobs import token_logprobs
 
-    samples = [s for s in _rl_samples(tiny_model, rl_processor) if s.valid]
+    samples = [s for s in rl_samples(tiny_model, rl_processor) if s.valid]
     batch = collate_samples(samples, rl_processor.pad_token_id)
     vocab = tiny_model.config.text.vocab_size
     tiny_model.train()

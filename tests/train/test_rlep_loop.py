@@ -18,10 +18,10 @@ import torch
 
 from keye import KeyeVL
 from keye.recipes.rlep import train
+from tests.recipes import rl_config
 from tests.torchrun import failure_report, job_args, torchrun
 from tests.train import _fake_vllm
 from tests.train._fake_vllm import fingerprint
-from tests.train.test_rlep import _cfg, rl_set  # noqa: F401 - rl_set is a fixture used by name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,22 +36,22 @@ def _weights(ckpt: Path) -> dict[str, float]:
     return fingerprint(KeyeVL.from_pretrained(ckpt, torch_dtype="float32").state_dict())
 
 
-def test_vllm_engine_serves_the_resumed_policy(tiny_ckpt, rl_set, tmp_path, monkeypatch):  # noqa: F811
+def test_vllm_engine_serves_the_resumed_policy(tiny_ckpt, rl_set, tmp_path, monkeypatch):
     """Every rollout samples from the policy of the previous step, also right after a resume (the engine is
     built from the start checkpoint, so it must be synced before the first rollout), and the resumed run
     continues the engine's sampling-seed stream: losses and rewards equal the uninterrupted run."""
     fake = _fake(monkeypatch)
     args = ("rollout.engine=vllm", "train.steps=3", "checkpoint.save_every=1", "checkpoint.keep_last=5",
             "replay.M=1")
-    full = train(_cfg(tiny_ckpt, rl_set, tmp_path / "a", *args))
+    full = train(rl_config(tiny_ckpt, rl_set, tmp_path / "a", *args))
     (engine,) = fake.LLM.instances
     policies = [_weights(tiny_ckpt)] + [_weights(tmp_path / f"a/step_{k:08d}/model") for k in (1, 2)]
     assert policies[0] != policies[1] != policies[2]  # the policy moves every step
     assert [g["weights"] for g in engine.generations] == policies
 
-    part = train(_cfg(tiny_ckpt, rl_set, tmp_path / "b", *args), stop_after=2)  # "crash" after step 2
+    part = train(rl_config(tiny_ckpt, rl_set, tmp_path / "b", *args), stop_after=2)  # "crash" after step 2
     assert not part["finished"]
-    resumed = train(_cfg(tiny_ckpt, rl_set, tmp_path / "b", *args))
+    resumed = train(rl_config(tiny_ckpt, rl_set, tmp_path / "b", *args))
     again = fake.LLM.instances[-1]
     assert len(fake.LLM.instances) == 3 and len(again.generations) == 1
     assert again.generations[0]["weights"] == policies[2]  # the resumed policy, not the start checkpoint
@@ -67,7 +67,7 @@ def _optimizer_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return {f"{i}/{k}": torch.as_tensor(v) for i, s in state.items() for k, v in s.items()}
 
 
-def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ckpt, rl_set, tmp_path,  # noqa: F811
+def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ckpt, rl_set, tmp_path,
                                                                          monkeypatch):
     """Step 2 samples only placeholder ids (scored as text, never trained): its mini-batches hold no loss
     token, so the optimizer must not step; AdamW with the momentum of step 1 and weight decay would move
@@ -75,7 +75,7 @@ def test_a_step_without_loss_tokens_leaves_weights_and_adamw_state_alone(tiny_ck
     fake = _fake(monkeypatch)
     fake.LLM.placeholder_calls = {1}  # the second generate call = step 2's rollouts
     out = tmp_path / "run"
-    summary = train(_cfg(tiny_ckpt, rl_set, out, "rollout.engine=vllm", "replay.M=0", "train.steps=2",
+    summary = train(rl_config(tiny_ckpt, rl_set, out, "rollout.engine=vllm", "replay.M=0", "train.steps=2",
                          "algorithm.mini_batches=2", "train.weight_decay=0.1", "checkpoint.save_every=1",
                          "checkpoint.keep_last=3"))
     assert summary["steps"] == 2 and summary["losses"][0] != 0 and summary["losses"][1] == 0
@@ -134,7 +134,7 @@ def _text_manifest(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_ckpt, rl_set, tmp_path_factory) -> Path:  # noqa: F811
+def two_ranks(tiny_ckpt, rl_set, tmp_path_factory) -> Path:
     """``mb2`` / ``mb1``: padded empty mini-batches or not; ``text``: text-only prompts; ``no_tokens``: rank 1
     samples only placeholder ids (``FAKE_VLLM_PLACEHOLDER_RANKS=1`` is set for the launch; only the fake vLLM
     engine reads it, and only the last job uses that engine)."""
@@ -175,7 +175,7 @@ def test_two_processes_padded_empty_mini_batches_do_not_step(tiny_ckpt, two_rank
 
 
 @pytest.mark.slow
-def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ckpt, rl_set, tmp_path,  # noqa: F811
+def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ckpt, rl_set, tmp_path,
                                                                          two_ranks):
     """Rank 1 samples only placeholder ids (no loss token), rank 0 ordinary text. The skip decision is taken
     on the all-rank token count, so both ranks step (no deadlock, no divergence); the update is rank 0's
@@ -199,11 +199,11 @@ def test_a_rank_without_tokens_adds_nothing_to_the_update_or_its_metrics(tiny_ck
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
 
 
-def test_logged_learning_rate_is_the_one_each_step_used(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_logged_learning_rate_is_the_one_each_step_used(tiny_ckpt, rl_set, tmp_path):
     """With a 2-step warmup step 1 updates at lr/2 and step 2 at lr (``lr_lambda``); the metrics row of a
     step reports the rate its updates used, not the next step's (the scheduler advances after the update)."""
     out = tmp_path / "warm"
-    train(_cfg(tiny_ckpt, rl_set, out, "train.steps=2", "train.warmup_steps=2", "train.lr=1e-3", "replay.M=0"))
+    train(rl_config(tiny_ckpt, rl_set, out, "train.steps=2", "train.warmup_steps=2", "train.lr=1e-3", "replay.M=0"))
     assert [r["lr"] for r in _step_rows(out)] == pytest.approx([5e-4, 1e-3], rel=1e-12)
 
 
@@ -223,7 +223,7 @@ def test_two_processes_leave_parameters_without_gradient_alone(tiny_ckpt, two_ra
 
 
 @pytest.mark.slow
-def test_a_failing_rank_fails_the_job_instead_of_hanging_it(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_a_failing_rank_fails_the_job_instead_of_hanging_it(tiny_ckpt, rl_set, tmp_path):
     """Rank 1's engine raises during its first rollout while rank 0 waits in a collective. The failing
     rank must not wait at the teardown barrier (that hung both ranks until the process-group timeout,
     30 minutes on gloo): the job exits non-zero within seconds, with the error in its output."""
@@ -233,11 +233,11 @@ def test_a_failing_rank_fails_the_job_instead_of_hanging_it(tiny_ckpt, rl_set, t
     assert "fake vLLM engine failure on this rank" in proc.stdout + proc.stderr
 
 
-def test_tis_correction_in_the_loop_weights_tokens_by_the_engine_learner_ratio(tiny_ckpt, rl_set, tmp_path):  # noqa: F811
+def test_tis_correction_in_the_loop_weights_tokens_by_the_engine_learner_ratio(tiny_ckpt, rl_set, tmp_path):
     """``algorithm.tis_cap`` reaches the loss through the learner: the local engine records the log-probs it
     sampled with, which equal the learner's recomputation (same weights, unfiltered sampling), so every
     importance weight is 1 and nothing is clipped; the statistics are logged per step."""
-    summary = train(_cfg(tiny_ckpt, rl_set, tmp_path / "tis", "train.steps=2", "algorithm.tis_cap=2.0",
+    summary = train(rl_config(tiny_ckpt, rl_set, tmp_path / "tis", "train.steps=2", "algorithm.tis_cap=2.0",
                          "tree.enabled=true"))
     assert summary["finished"]
     rows = [json.loads(x) for x in (tmp_path / "tis/metrics.jsonl").read_text().splitlines()]
