@@ -317,6 +317,36 @@ def build_tree(
     """
     cfg = _config_of(config)
     vision = vision or VisionInputs()
+    seqs, masks = _checked_inputs(sequences, loss_masks)
+    tokens, parent, children, paths = _trie(seqs)
+    n = len(tokens)
+    # Nodes: maximal runs where each token is the only child of the previous one *and* directly
+    # follows it; a branch point therefore always ends its node (children see whole ancestor nodes).
+    starts, node_parent, token_node = [], [], np.empty(n, dtype=np.int64)
+    for i in range(n):
+        if i == 0 or parent[i] != i - 1 or len(children[i - 1]) > 1:
+            starts.append(i)
+            node_parent.append(-1 if parent[i] < 0 else int(token_node[parent[i]]))
+        token_node[i] = len(starts) - 1
+    depth: list[int] = []
+    for p in node_parent:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    ids_np = np.asarray(tokens, dtype=np.int64)
+    pos = _tree_positions(cfg, seqs, paths, token_node, _vision_items(cfg, ids_np, vision))
+    parent_t = torch.tensor(parent, dtype=torch.long)
+    target, pred, lmask = _loss_layout(paths, masks, parent_t)
+    return TreeBatch(
+        input_ids=torch.from_numpy(ids_np)[None], position_ids=torch.from_numpy(pos)[:, None], parent=parent_t,
+        node_start=torch.tensor(starts, dtype=torch.long), node_end=torch.tensor(starts[1:] + [n], dtype=torch.long),
+        node_parent=torch.tensor(node_parent, dtype=torch.long), node_depth=torch.tensor(depth, dtype=torch.long),
+        token_node=torch.from_numpy(token_node), paths=[torch.tensor(p, dtype=torch.long) for p in paths],
+        target_index=target, pred_index=pred, loss_mask=lmask, vision=vision, seq_lens=[len(s) for s in seqs],
+    )
+
+
+def _checked_inputs(sequences: Sequence[Sequence[int] | torch.Tensor],
+                    loss_masks: Sequence[Sequence[bool] | torch.Tensor]) -> tuple[list[list[int]], list[list[bool]]]:
+    """The sequences and loss masks as lists, checked (:func:`build_tree`'s Raises)."""
     if len(sequences) == 0:
         raise KeyeInputError("a tree needs at least one sequence")
     if len(loss_masks) != len(sequences):
@@ -326,18 +356,18 @@ def build_tree(
     for b, (s, mk) in enumerate(zip(seqs, loss_masks)):
         mk = [bool(v) for v in (mk.tolist() if torch.is_tensor(mk) else mk)]
         if len(mk) != len(s):
-            raise KeyeInputError(
-                f"loss mask has {len(mk)} entries but the sequence has {len(s)} tokens", item=b
-            )
+            raise KeyeInputError(f"loss mask has {len(mk)} entries but the sequence has {len(s)} tokens", item=b)
         if not s:
             raise KeyeInputError("empty sequence", item=b)
         if mk[0]:
-            raise KeyeInputError(
-                "the first token of a sequence has no predictor and cannot be a loss token", item=b
-            )
+            raise KeyeInputError("the first token of a sequence has no predictor and cannot be a loss token", item=b)
         masks.append(mk)
+    return seqs, masks
 
-    # Token-level trie; serialised order = creation order = first appearance (parents first).
+
+def _trie(seqs: list[list[int]]) -> tuple[list[int], list[int], list[dict[int, int]], list[list[int]]]:
+    """The token-level trie of ``seqs``: tokens in serialised order (creation order = first appearance, parents
+    first), each token's parent (-1: a root), its children by token id, and each sequence's path of tokens."""
     tokens: list[int] = []
     parent: list[int] = []
     children: list[dict[int, int]] = []
@@ -357,23 +387,13 @@ def build_tree(
             path.append(nxt)
             cur = nxt
         paths.append(path)
-    n = len(tokens)
+    return tokens, parent, children, paths
 
-    # Nodes: maximal runs where each token is the only child of the previous one *and* directly
-    # follows it; a branch point therefore always ends its node (children see whole ancestor nodes).
-    starts, node_parent, token_node = [], [], np.empty(n, dtype=np.int64)
-    for i in range(n):
-        if i == 0 or parent[i] != i - 1 or len(children[i - 1]) > 1:
-            starts.append(i)
-            node_parent.append(-1 if parent[i] < 0 else int(token_node[parent[i]]))
-        token_node[i] = len(starts) - 1
-    ends = starts[1:] + [n]
-    depth: list[int] = []
-    for p in node_parent:
-        depth.append(0 if p < 0 else depth[p] + 1)
 
-    ids_np = np.asarray(tokens, dtype=np.int64)
-    items = _vision_items(cfg, ids_np, vision)
+def _tree_positions(cfg: Any, seqs: list[list[int]], paths: list[list[int]], token_node: np.ndarray,
+                    items: list[dict[str, Any]]) -> np.ndarray:
+    """int64 [3, N] 3-D positions of the tree's tokens: each sequence's own (standalone) positions scattered to its
+    path; shared tokens must agree, and no vision block may be cut by a branch point."""
     for it in items:
         a, z = it["start"], it["start"] + it["count"] - 1
         if token_node[a] != token_node[z]:
@@ -382,68 +402,46 @@ def build_tree(
                 "not diverge or end inside a vision block"
             )
     item_node = [int(token_node[it["start"]]) for it in items]
-
-    # Positions: each sequence standalone, scattered to its path (shared tokens must agree).
-    pos = np.full((3, n), -1, dtype=np.int64)
+    pos = np.full((3, len(token_node)), -1, dtype=np.int64)
     for b, (s, path) in enumerate(zip(seqs, paths)):
         on_path = set(int(token_node[i]) for i in path)
         mine = [it for it, nd in zip(items, item_node) if nd in on_path]
         img = [it["grid"] for it in mine if it["kind"] == "image"]
         vid = [it for it in mine if it["kind"] == "video"]
         p, _ = get_rope_index(
-            torch.tensor([s], dtype=torch.long),
-            image_token_id=cfg.image_token_id,
-            video_token_id=cfg.video_token_id,
-            spatial_merge_size=cfg.vision.spatial_merge_size,
-            variant=cfg.variant,
+            torch.tensor([s], dtype=torch.long), image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+            spatial_merge_size=cfg.vision.spatial_merge_size, variant=cfg.variant,
             tokens_per_second=cfg.vision.tokens_per_second,
             image_grid_thw=torch.tensor(img, dtype=torch.long) if img else None,
             video_grid_thw=torch.tensor([it["grid"] for it in vid], dtype=torch.long) if vid else None,
-            second_per_grid_ts=(
-                torch.tensor([it["seconds"] for it in vid], dtype=torch.float32)
-                if vid and cfg.variant != "1.5"
-                else None
-            ),
+            second_per_grid_ts=(torch.tensor([it["seconds"] for it in vid], dtype=torch.float32)
+                                if vid and cfg.variant != "1.5" else None),
         )
         p = p[:, 0].numpy()
         idx = np.asarray(path, dtype=np.int64)
         prev = pos[:, idx]
         seen = prev[0] >= 0
         if not np.array_equal(prev[:, seen], p[:, seen]):
-            raise KeyeInputError(
-                "shared tokens got different positions in two sequences (vision items differ?)", item=b
-            )
+            raise KeyeInputError("shared tokens got different positions in two sequences (vision items differ?)", item=b)
         pos[:, idx] = p
+    return pos
 
-    # Loss layout [B, T].
+
+def _loss_layout(paths: list[list[int]], masks: list[list[bool]],
+                 parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The [B, T] loss layout: each row's target tokens (tree indices) in order, their predictors (parents) and
+    which slots are real."""
     t_max = max(1, max(sum(mk) for mk in masks))
-    target = torch.zeros(len(seqs), t_max, dtype=torch.long)
-    pred = torch.zeros(len(seqs), t_max, dtype=torch.long)
-    lmask = torch.zeros(len(seqs), t_max, dtype=torch.bool)
-    parent_t = torch.tensor(parent, dtype=torch.long)
+    target = torch.zeros(len(paths), t_max, dtype=torch.long)
+    pred = torch.zeros(len(paths), t_max, dtype=torch.long)
+    lmask = torch.zeros(len(paths), t_max, dtype=torch.bool)
     for b, (path, mk) in enumerate(zip(paths, masks)):
         sel = torch.tensor([i for i, m_ in zip(path, mk) if m_], dtype=torch.long)
         k = sel.numel()
         target[b, :k] = sel
-        pred[b, :k] = parent_t[sel]
+        pred[b, :k] = parent[sel]
         lmask[b, :k] = True
-
-    return TreeBatch(
-        input_ids=torch.from_numpy(ids_np)[None],
-        position_ids=torch.from_numpy(pos)[:, None],
-        parent=parent_t,
-        node_start=torch.tensor(starts, dtype=torch.long),
-        node_end=torch.tensor(ends, dtype=torch.long),
-        node_parent=torch.tensor(node_parent, dtype=torch.long),
-        node_depth=torch.tensor(depth, dtype=torch.long),
-        token_node=torch.from_numpy(token_node),
-        paths=[torch.tensor(p, dtype=torch.long) for p in paths],
-        target_index=target,
-        pred_index=pred,
-        loss_mask=lmask,
-        vision=vision,
-        seq_lens=[len(s) for s in seqs],
-    )
+    return target, pred, lmask
 
 
 def build_group_tree(

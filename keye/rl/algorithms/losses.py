@@ -186,37 +186,8 @@ def policy_loss(
         (fraction whose ratio exceeded the cap) and ``rollout_logp_abs_diff`` (mean ``|old_logp -
         rollout_logp|``, the engine mismatch).
     """
-    if ratio_level not in RATIO_LEVELS:
-        raise KeyeConfigError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if eps_low < 0 or eps_high < 0:
-        raise KeyeConfigError(f"clip epsilons must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise KeyeConfigError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if kl_coef and kl_estimator not in KL_LOSS_ESTIMATORS:
-        raise KeyeConfigError(
-            f"kl_estimator {kl_estimator!r} cannot be a loss term (kl_coef={kl_coef}): k1's expected gradient is "
-            f"zero; use one of {KL_LOSS_ESTIMATORS}"
-        )
-    if tis_cap is not None:
-        if not tis_cap >= 1.0:
-            raise KeyeConfigError(
-                f"tis_cap must be >= 1 (or None), got {tis_cap}: a cap below 1 scales down every token, on-policy ones "
-                "included"
-            )
-    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise KeyeInputError(
-            f"logp, old_logp and mask must all be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
-            f"{tuple(mask.shape)}"
-        )
-    if advantages.dim() == 1:
-        if advantages.shape[0] != logp.shape[0]:
-            raise KeyeInputError(f"advantages [B] has {advantages.shape[0]} rows, logp has {logp.shape[0]}")
-        adv = advantages[:, None].expand_as(logp)
-    elif advantages.shape == logp.shape:
-        adv = advantages
-    else:
-        raise KeyeInputError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
-    adv = adv.to(logp.dtype).detach()
+    _check_settings(ratio_level, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, tis_cap)
+    adv = _token_advantages(advantages, logp, old_logp, mask)
     m = mask.to(logp.dtype)
     old_logp = old_logp.detach()
 
@@ -226,16 +197,7 @@ def policy_loss(
         seq_log_ratio = ((log_ratio * m).sum(dim=-1) / n_tok).clamp(max=10.0)
         log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
     ratio = log_ratio.exp()
-
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    pg = torch.maximum(pg1, pg2)
-    neg = adv < 0
-    dual_active = torch.zeros_like(neg)
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        dual_active = neg & (pg > bound)
-        pg = torch.where(neg, torch.minimum(pg, bound), pg)
+    pg, dual_active = _clipped_objective(adv, ratio, eps_low, eps_high, dual_clip)
     tis = None
     if tis_cap is not None:
         tis = _tis_weights(old_logp, rollout_logp, has_rollout_logp, float(tis_cap))
@@ -262,34 +224,86 @@ def policy_loss(
         if entropy_coef:
             loss = loss - entropy_coef * aggregate(entropy, m, loss_agg, **agg_kw)
         stats["entropy"] = _masked_mean(entropy.detach(), m)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        high = (adv > 0) & (r > 1.0 + eps_high)
-        low = neg & (r < 1.0 - eps_low)
-        tok_log_ratio = (logp.detach() - old_logp).clamp(-max_log_ratio, max_log_ratio)
-        k3_old_new = tok_log_ratio.exp() - 1 - tok_log_ratio
-        sel = m.bool()
-        stats.update(
-            pg_loss=float(pg_loss.detach()),
-            clip_frac_high=_masked_mean(high.to(m.dtype), m),
-            clip_frac_low=_masked_mean(low.to(m.dtype), m),
-            clip_frac=_masked_mean((high | low).to(m.dtype), m),
-            dual_clip_frac=_masked_mean(dual_active.to(m.dtype), m),
-            approx_kl=_masked_mean(k3_old_new, m),
-            ratio_mean=_masked_mean(r, m),
-            ratio_max=float(r[sel].max()) if bool(sel.any()) else 1.0,
-            ratio_min=float(r[sel].min()) if bool(sel.any()) else 1.0,
-            num_tokens=float(m.sum()),
-        )
-        if tis is not None:
-            w, log_w = tis
-            stats.update(
-                tis_weight_mean=_masked_mean(w.to(m.dtype), m),
-                tis_clip_frac=_masked_mean((log_w.exp() > tis_cap).to(m.dtype), m),
-                rollout_logp_abs_diff=_masked_mean(log_w.abs().to(m.dtype), m),
-            )
+    stats.update(_ratio_stats(logp, old_logp, adv, ratio, m, dual_active, eps_low, eps_high, max_log_ratio))
+    stats["pg_loss"] = float(pg_loss.detach())
+    if tis is not None:
+        w, log_w = tis
+        stats.update(tis_weight_mean=_masked_mean(w.to(m.dtype), m),
+                     tis_clip_frac=_masked_mean((log_w.exp() > tis_cap).to(m.dtype), m),
+                     rollout_logp_abs_diff=_masked_mean(log_w.abs().to(m.dtype), m))
     return loss, stats
+
+
+def _check_settings(ratio_level: str, eps_low: float, eps_high: float, dual_clip: float | None, kl_coef: float,
+                    kl_estimator: str, tis_cap: float | None) -> None:
+    """Raise :class:`KeyeConfigError` for a loss setting :func:`policy_loss` cannot use, naming it."""
+    if ratio_level not in RATIO_LEVELS:
+        raise KeyeConfigError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if eps_low < 0 or eps_high < 0:
+        raise KeyeConfigError(f"clip epsilons must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise KeyeConfigError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if kl_coef and kl_estimator not in KL_LOSS_ESTIMATORS:
+        raise KeyeConfigError(
+            f"kl_estimator {kl_estimator!r} cannot be a loss term (kl_coef={kl_coef}): k1's expected gradient is "
+            f"zero; use one of {KL_LOSS_ESTIMATORS}"
+        )
+    if tis_cap is not None and not tis_cap >= 1.0:
+        raise KeyeConfigError(
+            f"tis_cap must be >= 1 (or None), got {tis_cap}: a cap below 1 scales down every token, on-policy ones "
+            "included"
+        )
+
+
+def _token_advantages(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """The advantages as [B, T] in ``logp``'s dtype (a [B] vector broadcast over tokens), without gradient;
+    raises :class:`KeyeInputError` for shapes that do not fit."""
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise KeyeInputError(
+            f"logp, old_logp and mask must all be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logp.shape[0]:
+            raise KeyeInputError(f"advantages [B] has {advantages.shape[0]} rows, logp has {logp.shape[0]}")
+        adv = advantages[:, None].expand_as(logp)
+    elif advantages.shape == logp.shape:
+        adv = advantages
+    else:
+        raise KeyeInputError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
+    return adv.to(logp.dtype).detach()
+
+
+def _clipped_objective(adv: torch.Tensor, ratio: torch.Tensor, eps_low: float, eps_high: float,
+                       dual_clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token PPO loss ``max(-A r, -A clip(r))`` (dual-clipped for negative advantages when ``dual_clip``)
+    and where the dual bound is active."""
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
+    neg = adv < 0
+    dual_active = torch.zeros_like(neg)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_active = neg & (pg > bound)
+        pg = torch.where(neg, torch.minimum(pg, bound), pg)
+    return pg, dual_active
+
+
+@torch.no_grad()
+def _ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, m: torch.Tensor,
+                 dual_active: torch.Tensor, eps_low: float, eps_high: float, max_log_ratio: float) -> dict[str, float]:
+    """Clip fractions, the k3 estimate of KL(old || new), ratio statistics and the token count over ``m``."""
+    r = ratio.detach()
+    high = (adv > 0) & (r > 1.0 + eps_high)
+    low = (adv < 0) & (r < 1.0 - eps_low)
+    tok_log_ratio = (logp.detach() - old_logp).clamp(-max_log_ratio, max_log_ratio)
+    sel = m.bool()
+    return dict(clip_frac_high=_masked_mean(high.to(m.dtype), m), clip_frac_low=_masked_mean(low.to(m.dtype), m),
+                clip_frac=_masked_mean((high | low).to(m.dtype), m),
+                dual_clip_frac=_masked_mean(dual_active.to(m.dtype), m),
+                approx_kl=_masked_mean(tok_log_ratio.exp() - 1 - tok_log_ratio, m), ratio_mean=_masked_mean(r, m),
+                ratio_max=float(r[sel].max()) if bool(sel.any()) else 1.0,
+                ratio_min=float(r[sel].min()) if bool(sel.any()) else 1.0, num_tokens=float(m.sum()))
 
 
 def _tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, has_rollout_logp: torch.Tensor | None,

@@ -234,20 +234,10 @@ class ReplayPool:
 
 
 # ------------------------------------------------------------------------------------------ phase B
-def replay_samples(
-    pool: ReplayPool,
-    prompt: RLPrompt,
-    group: int,
-    inputs: PromptInputs,
-    m: int,
-    *,
-    encode: Callable[[str], list[int]],
-    eos_id: int,
-    max_response_len: int,
-    rng: random.Random | None = None,
-    match_mode: bool = True,
-    decode: Callable[[list[int]], str] | None = None,
-) -> list[RolloutSample]:
+def replay_samples(pool: ReplayPool, prompt: RLPrompt, group: int, inputs: PromptInputs, m: int, *,
+                   encode: Callable[[str], list[int]], eos_id: int, max_response_len: int,
+                   rng: random.Random | None = None, match_mode: bool = True,
+                   decode: Callable[[list[int]], str] | None = None) -> list[RolloutSample]:
     """Exactly ``m`` replay rows for one question's group.
 
     Args:
@@ -294,18 +284,10 @@ def replay_samples(
     return out
 
 
-def add_replay(
-    fresh: Sequence[RolloutSample],
-    pool: ReplayPool,
-    m: int,
-    *,
-    encode: Callable[[str], list[int]],
-    eos_id: int,
-    max_response_len: int,
-    rng: random.Random | None = None,
-    match_mode: bool = True,
-    decode: Callable[[list[int]], str] | None = None,
-) -> list[RolloutSample]:
+def add_replay(fresh: Sequence[RolloutSample], pool: ReplayPool, m: int, *,
+               encode: Callable[[str], list[int]], eos_id: int, max_response_len: int,
+               rng: random.Random | None = None, match_mode: bool = True,
+               decode: Callable[[list[int]], str] | None = None) -> list[RolloutSample]:
     """RLEP phase B for a whole rollout batch: after each group's fresh samples, append its ``m`` replay rows
     (:func:`replay_samples`, sharing the group's prompt and processor outputs; ``decode`` scores truncated
     entries on their truncated ids). Group order is the order of first appearance in ``fresh``; ``m = 0``

@@ -99,16 +99,9 @@ def _micro_batches(samples: Sequence[RolloutSample], size: int) -> list[list[Rol
 
 
 @torch.no_grad()
-def fill_logprobs(
-    model: torch.nn.Module,
-    samples: Sequence[RolloutSample],
-    *,
-    pad_id: int,
-    micro_batch_size: int = 8,
-    temperature: float = 1.0,
-    target: str = "old_logp",
-    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
-) -> None:
+def fill_logprobs(model: torch.nn.Module, samples: Sequence[RolloutSample], *, pad_id: int,
+                  micro_batch_size: int = 8, temperature: float = 1.0, target: str = "old_logp",
+                  chunk_size: int | None = DEFAULT_CHUNK_TOKENS) -> None:
     """Compute log-probs of every valid sample's response with ``model`` and store them in
     ``sample.old_logp`` (behaviour policy = the current actor, replayed samples included, as RLEP does) or
     ``sample.ref_logp`` (``target="ref_logp"`` with the reference model)."""
@@ -136,18 +129,11 @@ def _dist_sum(values: list[float], device: torch.device) -> tuple[list[float], i
     return t.tolist(), torch.distributed.get_world_size()
 
 
-def accumulate_policy_gradients(
-    model: torch.nn.Module,
-    samples: Sequence[RolloutSample],
-    *,
-    pad_id: int,
-    micro_batch_size: int = 8,
-    temperature: float = 1.0,
-    loss_kwargs: Mapping[str, Any] | None = None,
-    exclude_ids: Sequence[int] = (),
-    chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
-    with_entropy: bool = False,
-) -> dict[str, float]:
+def accumulate_policy_gradients(model: torch.nn.Module, samples: Sequence[RolloutSample], *, pad_id: int,
+                                micro_batch_size: int = 8, temperature: float = 1.0,
+                                loss_kwargs: Mapping[str, Any] | None = None, exclude_ids: Sequence[int] = (),
+                                chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
+                                with_entropy: bool = False) -> dict[str, float]:
     """Forward/backward one PPO mini-batch (this rank's share), micro-batch by micro-batch.
 
     Each micro-batch loss is normalised by the token (and sequence) count of the *whole* mini-batch over

@@ -400,6 +400,57 @@ def plan_memory(
     Returns:
         :class:`MemoryPlan` with every item in bytes, the phase peaks and ``fits`` with a reason.
     """
+    ro = _check_plan(strategy, optimizer, ref, world_size, micro_batch_tokens, logprob_chunk, gpu_memory_gb, rollout)
+    b = dtype_bytes(dtype)
+    counts = count_parameters(model_config, frozen)
+    gpu = int(gpu_memory_gb * GiB)
+    master = master_weights or (strategy == "zero3" and b < _FP32)
+    acc = _Items()
+    state = _resident_state(acc, counts, strategy=strategy, dtype=dtype, master=master, world=world_size, ref=ref,
+                            overhead=int(overhead_gb * GiB))
+    resp = micro_batch_tokens if response_tokens is None else response_tokens
+    act = activation_bytes(model_config, dtype=dtype, tokens=micro_batch_tokens, sequences=micro_batch_sequences,
+                           vision_patches=vision_patches, response_tokens=resp, padded=padded,
+                           gradient_checkpointing=gradient_checkpointing, vision_frozen="vision" in frozen)
+    learner = _learner_phase(acc, state, counts, model_config, act, strategy=strategy, dtype=dtype,
+                             logprob_chunk=logprob_chunk, response_tokens=resp,
+                             batch=f"{micro_batch_tokens} tokens x {micro_batch_sequences} rows, {vision_patches} patches",
+                             checkpointing=gradient_checkpointing)
+    colocated = bool(ro["colocated"]) or ro["engine"] == "keye"
+    reasons: list[str] = []
+    engine_bytes, kv_info = _rollout_phase(acc, ro, model_config, counts, state, strategy=strategy, dtype=dtype,
+                                           world=world_size, gpu=gpu, gpu_memory_gb=gpu_memory_gb,
+                                           colocated=colocated, reasons=reasons)
+    rollout_bytes = state["resident"] + engine_bytes if colocated else engine_bytes + int(overhead_gb * GiB)
+    peak = max(learner, rollout_bytes)
+    fits, reason = _verdict(learner, rollout_bytes, peak, gpu, gpu_memory_gb, reasons, kv_info, ro,
+                            "" if colocated else f" (on {ro['gpus'] or '?'} separate rollout GPU(s))")
+    settings = dict(model=model_name, world_size=world_size, strategy=strategy, dtype=dtype, master_weights=master,
+                    micro_batch_tokens=micro_batch_tokens, micro_batch_sequences=micro_batch_sequences,
+                    vision_patches=vision_patches, response_tokens=resp, gradient_checkpointing=gradient_checkpointing,
+                    logprob_chunk=logprob_chunk, ref=ref, frozen=list(frozen), gpu_memory_gb=gpu_memory_gb,
+                    colocated=colocated, **{k: v for k, v in ro.items() if k != "colocated"})
+    return MemoryPlan(items=acc.items, learner_bytes=int(learner), rollout_bytes=int(rollout_bytes),
+                      peak_bytes=int(peak), gpu_bytes=gpu, fits=fits, reason=reason, host_items=acc.host,
+                      params=counts, kv=kv_info, settings=settings)
+
+
+class _Items:
+    """The plan's items as they are added (GPU items, and host memory items)."""
+
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+        self.host: list[Item] = []
+
+    def add(self, name: str, n: int, phase: str, note: str = "") -> int:
+        self.items.append(Item(name, int(n), phase, note))
+        return int(n)
+
+
+def _check_plan(strategy: str, optimizer: str, ref: str, world_size: int, micro_batch_tokens: int,
+                logprob_chunk: int | None, gpu_memory_gb: float, rollout: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Raise :class:`KeyeConfigError` for an argument :func:`plan_memory` cannot plan; returns the rollout
+    settings with their defaults."""
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("optimizer", optimizer, ("adamw",))
     _check_choice("ref", ref, REF_MODES)
@@ -418,22 +469,15 @@ def plan_memory(
     _check_choice("rollout.engine", ro["engine"], ENGINES)
     if ro["gpu_memory_utilization"] != "auto" and not 0 < float(ro["gpu_memory_utilization"]) <= 1:
         raise KeyeConfigError(f"rollout.gpu_memory_utilization must be in (0, 1] or 'auto', got {ro['gpu_memory_utilization']!r}")
+    return ro
 
-    b = dtype_bytes(dtype)
-    counts = count_parameters(model_config, frozen)
-    w = world_size
-    gpu = int(gpu_memory_gb * GiB)
-    overhead = int(overhead_gb * GiB)
-    master = master_weights or (strategy == "zero3" and b < _FP32)
+
+def _resident_state(acc: _Items, counts: ParamCounts, *, strategy: str, dtype: str, master: bool, world: int,
+                    ref: str, overhead: int) -> dict[str, Any]:
+    """What stays on a learner GPU in both phases (parameters, master weights, AdamW states, a sharded reference,
+    the runtime overhead); returns the shard sizes the learner phase needs and ``resident`` bytes."""
+    b, w = dtype_bytes(dtype), world
     state_b = _FP32 if master else b  # gradients and AdamW states follow the master copy's dtype
-    items: list[Item] = []
-    host: list[Item] = []
-
-    def add(name: str, n: int, phase: str, note: str = "") -> int:
-        items.append(Item(name, int(n), phase, note))
-        return int(n)
-
-    # ---- resident state: alive in both phases on a learner GPU
     if strategy == "fsdp2":
         shard, shard_t = counts.sharded(w), counts.sharded(w, trainable_only=True)
         note = f"1/{w} of each parameter (dim-0 chunks)"
@@ -445,143 +489,131 @@ def plan_memory(
         note = "full replica"
     if strategy == "fsdp2" and master:
         # FSDP2 mixed precision: the sharded parameter *is* the float32 master; compute copies are gathered in dtype
-        params = add("policy parameters (fp32 master shard)", _FP32 * shard, "both", note)
+        params = acc.add("policy parameters (fp32 master shard)", _FP32 * shard, "both", note)
     else:
-        params = add(f"policy parameters ({dtype})", b * shard, "both", note)
+        params = acc.add(f"policy parameters ({dtype})", b * shard, "both", note)
         if master:
-            params += add("fp32 master weights", _FP32 * shard_t, "both", note)
-    optim = add("AdamW states (exp_avg, exp_avg_sq)", _ADAMW_STATES * state_b * shard_t, "both", note)
+            params += acc.add("fp32 master weights", _FP32 * shard_t, "both", note)
+    optim = acc.add("AdamW states (exp_avg, exp_avg_sq)", _ADAMW_STATES * state_b * shard_t, "both", note)
     ref_bytes = 0
     if ref == "sharded":
         ref_n = counts.sharded(w) if strategy == "fsdp2" else counts.flat_sharded(w) if strategy == "zero3" else counts.total
-        ref_bytes = add(f"reference parameters ({dtype})", b * ref_n, "both", note)
+        ref_bytes = acc.add(f"reference parameters ({dtype})", b * ref_n, "both", note)
     elif ref == "cpu":
         copies = w if strategy == "ddp" else 1  # sharded offload: the node's ranks hold one copy between them
-        host.append(Item("reference model offloaded", b * counts.total * copies, "both",
-                         f"({copies} cop{'y' if copies == 1 else 'ies'})"))
-    ovh = add("CUDA context, NCCL, allocator slack", overhead, "both", "assumed")
-    resident = params + optim + ref_bytes + ovh
-    colocated = bool(ro["colocated"]) or ro["engine"] == "keye"
+        acc.host.append(Item("reference model offloaded", b * counts.total * copies, "both",
+                             f"({copies} cop{'y' if copies == 1 else 'ies'})"))
+    ovh = acc.add("CUDA context, NCCL, allocator slack", overhead, "both", "assumed")
+    return {"resident": params + optim + ref_bytes + ovh, "state_b": state_b, "shard_t": shard_t, "note": note}
 
-    # ---- learner phase
-    grads = add("gradients", state_b * shard_t, "learner", note + "; freed after the optimizer step")
+
+def _learner_phase(acc: _Items, state: dict[str, Any], counts: ParamCounts, model_config: KeyeVLConfig,
+                   act: Activations, *, strategy: str, dtype: str, logprob_chunk: int | None, response_tokens: int,
+                   batch: str, checkpointing: bool) -> int:
+    """The update's items (gradients, gathered parameters, activations, the log-prob chunk, optimizer
+    temporaries); returns the learner phase's peak bytes."""
+    b, state_b, shard_t, note = dtype_bytes(dtype), state["state_b"], state["shard_t"], state["note"]
+    grads = acc.add("gradients", state_b * shard_t, "learner", note + "; freed after the optimizer step")
     if strategy == "fsdp2":
         unit = max(counts.decoder_layer, counts.vision_layer)
-        gathered = add("FSDP2 all-gathered params (root + 2 layers)", b * (counts.root + 2 * unit), "learner",
-                       "root unit stays gathered through forward+backward; one layer prefetched")
-        unsharded_grads = add("FSDP2 unsharded grads (root + 1 layer)", b * (counts.root_trainable + unit), "learner",
-                              "before reduce-scatter")
+        gathered = acc.add("FSDP2 all-gathered params (root + 2 layers)", b * (counts.root + 2 * unit), "learner",
+                           "root unit stays gathered through forward+backward; one layer prefetched")
+        unsharded_grads = acc.add("FSDP2 unsharded grads (root + 1 layer)", b * (counts.root_trainable + unit),
+                                  "learner", "before reduce-scatter")
         working = gathered + unsharded_grads
     elif strategy == "zero3":
         unit = max(counts.decoder_layer, counts.vision_layer, *(math.prod(s) for _, s, _ in counts.shapes))
-        working = add("ZeRO-3 gathered params + buckets (2 largest modules)", 2 * b * unit + 2 * b * unit, "learner",
-                      "gathered modules and reduce/prefetch buckets; bounded by stage3 bucket settings")
+        working = acc.add("ZeRO-3 gathered params + buckets (2 largest modules)", 2 * b * unit + 2 * b * unit,
+                          "learner", "gathered modules and reduce/prefetch buckets; bounded by stage3 bucket settings")
     else:
         working = 0
-    resp = micro_batch_tokens if response_tokens is None else response_tokens
-    act = activation_bytes(model_config, dtype=dtype, tokens=micro_batch_tokens, sequences=micro_batch_sequences,
-                           vision_patches=vision_patches, response_tokens=resp, padded=padded,
-                           gradient_checkpointing=gradient_checkpointing, vision_frozen="vision" in frozen)
-    ckpt = "with" if gradient_checkpointing else "without"
-    add(f"activations saved ({ckpt} checkpointing)", act.saved, "learner",
-        f"{micro_batch_tokens} tokens x {micro_batch_sequences} rows, {vision_patches} patches")
-    add("backward working set (recompute + grads)", act.backward_peak - act.saved, "learner")
-    chunk = add("log-prob chunk (chunk x vocab)", logprob_chunk_bytes(model_config, dtype=dtype, chunk=logprob_chunk,
-                                                                      response_tokens=resp),
-                "learner", f"chunk {logprob_chunk}, vocab {model_config.text.vocab_size}")
-    update_peak = resident + grads + working + act.backward_peak + chunk
+    ckpt = "with" if checkpointing else "without"
+    acc.add(f"activations saved ({ckpt} checkpointing)", act.saved, "learner", batch)
+    acc.add("backward working set (recompute + grads)", act.backward_peak - act.saved, "learner")
+    chunk = acc.add("log-prob chunk (chunk x vocab)", logprob_chunk_bytes(model_config, dtype=dtype, chunk=logprob_chunk,
+                                                                          response_tokens=response_tokens),
+                    "learner", f"chunk {logprob_chunk}, vocab {model_config.text.vocab_size}")
+    update_peak = state["resident"] + grads + working + act.backward_peak + chunk
     # optimizer step: activations are gone; foreach AdamW makes one temporary the size of the states it updates,
     # explicit data-parallel averaging one flat copy of the gradients
-    step_tmp = state_b * shard_t
-    step = add("optimizer step temporaries", step_tmp, "learner", "foreach AdamW / flat all-reduce; after the backward")
-    learner = max(update_peak, resident + grads + step)
+    step = acc.add("optimizer step temporaries", state_b * shard_t, "learner",
+                   "foreach AdamW / flat all-reduce; after the backward")
+    return max(update_peak, state["resident"] + grads + step)
 
-    # ---- rollout phase
-    t = model_config.text
+
+def _rollout_phase(acc: _Items, ro: dict[str, Any], model_config: KeyeVLConfig, counts: ParamCounts,
+                   state: dict[str, Any], *, strategy: str, dtype: str, world: int, gpu: int, gpu_memory_gb: float,
+                   colocated: bool, reasons: list[str]) -> tuple[int, dict[str, Any]]:
+    """The rollout engine's items (vLLM weights, buffers and KV cache, or keye's own decode loop); returns the
+    engine's bytes and the KV-cache figures (``ro["gpu_memory_utilization"]`` resolved, reasons appended)."""
+    t, b = model_config.text, dtype_bytes(dtype)
     tp = int(ro["tensor_parallel_size"])
     kv_b = 1 if str(ro["kv_cache_dtype"]).startswith("fp8") else b
     kv_per_token = 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * kv_b // tp
     max_len, max_seqs = int(ro["max_model_len"]), int(ro["max_num_seqs"])
     kv_info: dict[str, Any] = {"bytes_per_token": kv_per_token, "max_model_len": max_len, "max_num_seqs": max_seqs}
-    reasons: list[str] = []
-    if ro["engine"] == "vllm":
-        weights = b * counts.total // tp
-        util = ro["gpu_memory_utilization"]
-        if util == "auto":
-            # colocated: everything the learner keeps during the rollout is already on the GPU when vLLM starts,
-            # so it may take the rest (in steps of 0.05); alone on a GPU: vLLM's default
-            util = math.floor(20 * (gpu - resident) / gpu) / 20 if colocated else 0.9
-            if util <= 0:
-                raise KeyeConfigError(f"gpu_memory_utilization=auto: the learner's resident state "
-                                      f"({resident / GiB:.1f} GiB) leaves no room for vLLM on a {gpu_memory_gb:g} GiB GPU")
-        util = float(util)
-        ro["gpu_memory_utilization"] = util
-        budget = int(util * gpu)
-        # the forward of one scheduler step (max_num_batched_tokens through one layer at a time) and the
-        # sampler's float32 logits and probabilities of every running sequence
-        d, f = t.hidden_size, t.intermediate_size
-        q = t.num_attention_heads * t.head_dim
-        k = t.num_key_value_heads * t.head_dim
-        fwd = int(ro["max_num_batched_tokens"]) * b * (2 * d + 3 * f + q + 2 * k) // tp
-        sampler = max_seqs * t.vocab_size * 2 * _FP32
-        kv_tokens = max(0, (budget - weights - fwd - sampler) // kv_per_token)
-        kv_bytes = kv_tokens * kv_per_token
-        kv_info.update(tokens=int(kv_tokens), full_sequences=int(kv_tokens // max_len),
-                       wanted_tokens=max_len * max_seqs)
-        add(f"vLLM weights ({dtype}, tp {tp})", weights, "rollout", "freed by sleep() while training" if colocated else "")
-        add("vLLM forward + sampler buffers", fwd + sampler, "rollout",
-            f"{ro['max_num_batched_tokens']} batched tokens, {max_seqs} seqs x vocab fp32")
-        add("vLLM KV cache (rest of gpu_memory_utilization)", kv_bytes, "rollout",
-            f"2 x {t.num_hidden_layers} layers x {t.num_key_value_heads} kv heads x {t.head_dim} x {kv_b} B per token")
-        engine_bytes = max(budget, weights + fwd + sampler)
-        if budget < weights + fwd + sampler + max_len * kv_per_token:
-            reasons.append(f"vLLM budget {util:.2f} x {gpu_memory_gb:g} GiB = {budget / GiB:.1f} GiB cannot hold the "
-                           f"weights, buffers and one {max_len}-token sequence's KV cache "
-                           f"({(weights + fwd + sampler + max_len * kv_per_token) / GiB:.1f} GiB)")
-        if colocated:
-            host.append(Item("vLLM weights while asleep (level 1 offload)", weights * w, "learner",
-                             f"({w} engines)"))
-    else:
+    if ro["engine"] != "vllm":
         # the policy's own decode loop: the learner's parameters (gathered layer by layer when sharded), a KV
         # cache of max_batch_size sequences of max_model_len in dtype, and the float32 logits of the batch
         nb = int(ro["max_batch_size"])
         kv_bytes = nb * max_len * (2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * b)
         kv_info.update(tokens=nb * max_len, full_sequences=nb, wanted_tokens=nb * max_len)
-        add("keye decode KV cache", kv_bytes, "rollout", f"{nb} seqs x {max_len} tokens")
+        acc.add("keye decode KV cache", kv_bytes, "rollout", f"{nb} seqs x {max_len} tokens")
         gathered_r = b * (counts.root + 2 * max(counts.decoder_layer, counts.vision_layer)) if strategy != "ddp" else 0
-        add("keye decode gathered params + logits", gathered_r + nb * t.vocab_size * _FP32 * 2, "rollout")
-        engine_bytes = kv_bytes + gathered_r + nb * t.vocab_size * _FP32 * 2
+        acc.add("keye decode gathered params + logits", gathered_r + nb * t.vocab_size * _FP32 * 2, "rollout")
+        return kv_bytes + gathered_r + nb * t.vocab_size * _FP32 * 2, kv_info
+    weights = b * counts.total // tp
+    util = ro["gpu_memory_utilization"]
+    if util == "auto":
+        # colocated: everything the learner keeps during the rollout is already on the GPU when vLLM starts,
+        # so it may take the rest (in steps of 0.05); alone on a GPU: vLLM's default
+        util = math.floor(20 * (gpu - state["resident"]) / gpu) / 20 if colocated else 0.9
+        if util <= 0:
+            raise KeyeConfigError(f"gpu_memory_utilization=auto: the learner's resident state "
+                                  f"({state['resident'] / GiB:.1f} GiB) leaves no room for vLLM on a "
+                                  f"{gpu_memory_gb:g} GiB GPU")
+    util = float(util)
+    ro["gpu_memory_utilization"] = util
+    budget = int(util * gpu)
+    # the forward of one scheduler step (max_num_batched_tokens through one layer at a time) and the
+    # sampler's float32 logits and probabilities of every running sequence
+    d, f = t.hidden_size, t.intermediate_size
+    q, k = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    fwd = int(ro["max_num_batched_tokens"]) * b * (2 * d + 3 * f + q + 2 * k) // tp
+    sampler = max_seqs * t.vocab_size * 2 * _FP32
+    kv_tokens = max(0, (budget - weights - fwd - sampler) // kv_per_token)
+    kv_bytes = kv_tokens * kv_per_token
+    kv_info.update(tokens=int(kv_tokens), full_sequences=int(kv_tokens // max_len), wanted_tokens=max_len * max_seqs)
+    acc.add(f"vLLM weights ({dtype}, tp {tp})", weights, "rollout", "freed by sleep() while training" if colocated else "")
+    acc.add("vLLM forward + sampler buffers", fwd + sampler, "rollout",
+            f"{ro['max_num_batched_tokens']} batched tokens, {max_seqs} seqs x vocab fp32")
+    acc.add("vLLM KV cache (rest of gpu_memory_utilization)", kv_bytes, "rollout",
+            f"2 x {t.num_hidden_layers} layers x {t.num_key_value_heads} kv heads x {t.head_dim} x {kv_b} B per token")
+    if budget < weights + fwd + sampler + max_len * kv_per_token:
+        reasons.append(f"vLLM budget {util:.2f} x {gpu_memory_gb:g} GiB = {budget / GiB:.1f} GiB cannot hold the "
+                       f"weights, buffers and one {max_len}-token sequence's KV cache "
+                       f"({(weights + fwd + sampler + max_len * kv_per_token) / GiB:.1f} GiB)")
     if colocated:
-        rollout_bytes = resident + engine_bytes
-        peak = max(learner, rollout_bytes)
-        rollout_gpu_note = ""
-    else:
-        rollout_bytes = engine_bytes + overhead
-        peak = max(learner, rollout_bytes)
-        rollout_gpu_note = f" (on {ro['gpus'] or '?'} separate rollout GPU(s))"
+        acc.host.append(Item("vLLM weights while asleep (level 1 offload)", weights * world, "learner", f"({world} engines)"))
+    return max(budget, weights + fwd + sampler), kv_info
 
+
+def _verdict(learner: int, rollout_bytes: int, peak: int, gpu: int, gpu_memory_gb: float, reasons: list[str],
+             kv_info: dict[str, Any], ro: dict[str, Any], rollout_gpu_note: str) -> tuple[bool, str]:
+    """Whether both phases fit one GPU, and why (or why not)."""
     if learner > gpu:
         reasons.append(f"learner phase needs {learner / GiB:.1f} GiB, {(learner - gpu) / GiB:.1f} GiB over {gpu_memory_gb:g} GiB")
     if rollout_bytes > gpu:
         reasons.append(f"rollout phase{rollout_gpu_note} needs {rollout_bytes / GiB:.1f} GiB, "
                        f"{(rollout_bytes - gpu) / GiB:.1f} GiB over {gpu_memory_gb:g} GiB")
-    fits = not reasons
-    if fits:
-        reason = (f"learner {learner / GiB:.1f} GiB, rollout{rollout_gpu_note} {rollout_bytes / GiB:.1f} GiB of "
-                  f"{gpu_memory_gb:g} GiB; {(gpu - peak) / GiB:.1f} GiB to spare")
-        if ro["engine"] == "vllm" and kv_info["full_sequences"] < max_seqs:
-            reason += (f"; the KV cache holds {kv_info['full_sequences']} of max_num_seqs {max_seqs} full-length "
-                       "sequences (vLLM queues or preempts the rest)")
-    else:
-        reason = "; ".join(reasons)
-    settings = dict(model=model_name, world_size=w, strategy=strategy, dtype=dtype, master_weights=master,
-                    micro_batch_tokens=micro_batch_tokens, micro_batch_sequences=micro_batch_sequences,
-                    vision_patches=vision_patches, response_tokens=resp, gradient_checkpointing=gradient_checkpointing,
-                    logprob_chunk=logprob_chunk, ref=ref, frozen=list(frozen), gpu_memory_gb=gpu_memory_gb,
-                    colocated=colocated, **{k: v for k, v in ro.items() if k != "colocated"})
-    return MemoryPlan(items=items, learner_bytes=int(learner), rollout_bytes=int(rollout_bytes), peak_bytes=int(peak),
-                      gpu_bytes=gpu, fits=fits, reason=reason, host_items=host, params=counts, kv=kv_info,
-                      settings=settings)
+    if reasons:
+        return False, "; ".join(reasons)
+    reason = (f"learner {learner / GiB:.1f} GiB, rollout{rollout_gpu_note} {rollout_bytes / GiB:.1f} GiB of "
+              f"{gpu_memory_gb:g} GiB; {(gpu - peak) / GiB:.1f} GiB to spare")
+    if ro["engine"] == "vllm" and kv_info["full_sequences"] < int(ro["max_num_seqs"]):
+        reason += (f"; the KV cache holds {kv_info['full_sequences']} of max_num_seqs {ro['max_num_seqs']} full-length "
+                   "sequences (vLLM queues or preempts the rest)")
+    return True, reason
 
 
 __all__ = ["ParamCounts", "count_parameters", "decoder_layer_bytes_per_token", "vision_layer_bytes_per_patch",

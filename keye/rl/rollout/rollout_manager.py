@@ -178,14 +178,20 @@ class RolloutManager:
 
     def pause(self) -> None:
         """Pause every worker (no new tokens, no new requests) and apply what they produced before."""
+        self._pause_all()
+
+    def _pause_all(self) -> list[int]:
+        """Pause every worker, then apply what they produced before; returns the trajectories that finished."""
         for i in range(len(self.workers)):
             try:
                 self.workers[i].pause()
             except Exception as err:  # noqa: BLE001
                 self._restart(i, f"pause() raised {err!r}")
         self.paused = True
+        finished: list[int] = []
         for i in range(len(self.workers)):
-            self._poll(i)
+            finished.extend(self._poll(i))
+        return finished
 
     def resume(self) -> None:
         """Resume every worker after :meth:`pause`."""
@@ -204,15 +210,7 @@ class RolloutManager:
         if version <= self.version:
             raise KeyeConfigError(f"weight version must increase: serving {self.version}, got {version}")
         was_paused = self.paused
-        finished: list[int] = []
-        for i in range(len(self.workers)):
-            try:
-                self.workers[i].pause()
-            except Exception as err:  # noqa: BLE001
-                self._restart(i, f"pause() raised {err!r}")
-        self.paused = True
-        for i in range(len(self.workers)):
-            finished.extend(self._poll(i))
+        finished = self._pause_all()
         self.version, self._shards = int(version), shards
         for i in range(len(self.workers)):
             try:

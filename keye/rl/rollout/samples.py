@@ -127,30 +127,26 @@ def split_batch(batch: Mapping[str, torch.Tensor], image_token_id: int, video_to
     """
     ids, att = batch["input_ids"], batch.get("attention_mask")
     out: list[PromptInputs] = []
-    img_row = vid_row = img_px = vid_px = 0
-    img_grid, vid_grid = batch.get("image_grid_thw"), batch.get("video_grid_thw")
+    # per kind: its placeholder id, grid / pixel keys, and the next grid row and pixel row to hand out
+    kinds = [[image_token_id, "image_grid_thw", "pixel_values", "images", 0, 0],
+             [video_token_id, "video_grid_thw", "pixel_values_videos", "videos", 0, 0]]
     secs = batch.get("second_per_grid_ts")
     for b in range(ids.shape[0]):
         row = ids[b] if att is None else ids[b][att[b].bool()]
-        n_img = int((row == image_token_id).sum())
-        n_vid = int((row == video_token_id).sum())
         item = PromptInputs(row.clone())
-        if n_img:
-            end = _rows_for_tokens(img_grid, n_img, img_row, merge_size, f"row {b} images")
-            grids = img_grid[img_row:end]
+        for kind in kinds:
+            token, grid_key, pix_key, what, at_row, at_px = kind
+            n = int((row == token).sum())
+            if not n:
+                continue
+            end = _rows_for_tokens(batch.get(grid_key), n, at_row, merge_size, f"row {b} {what}")
+            grids = batch[grid_key][at_row:end]
             n_px = int(grids.prod(dim=1).sum())
-            item.pixel_values = batch["pixel_values"][img_px : img_px + n_px]
-            item.image_grid_thw = grids
-            img_row, img_px = end, img_px + n_px
-        if n_vid:
-            end = _rows_for_tokens(vid_grid, n_vid, vid_row, merge_size, f"row {b} videos")
-            grids = vid_grid[vid_row:end]
-            n_px = int(grids.prod(dim=1).sum())
-            item.pixel_values_videos = batch["pixel_values_videos"][vid_px : vid_px + n_px]
-            item.video_grid_thw = grids
-            if secs is not None:
-                item.second_per_grid_ts = secs[vid_row:end]
-            vid_row, vid_px = end, vid_px + n_px
+            setattr(item, pix_key, batch[pix_key][at_px : at_px + n_px])
+            setattr(item, grid_key, grids)
+            if grid_key == "video_grid_thw" and secs is not None:
+                item.second_per_grid_ts = secs[at_row:end]
+            kind[4], kind[5] = end, at_px + n_px
         out.append(item)
     return out
 

@@ -22,20 +22,6 @@ class Scores:
 class Scorer(Protocol):
     """Anything that scores samples: ``scorer(samples) -> Scores`` (same order, same length)."""
 
-    @classmethod
-    def from_config(cls, reward: Any, *, accuracy_only: bool = False) -> RewardScorer:
-        """The scorer of a ``reward`` config section (:class:`keye.rl.config.RewardSection`: a
-        :meth:`keye.rewards.RewardSpec.from_dict` mapping and ``pass_value``). ``accuracy_only``: the accuracy
-        part alone with the same answer-checking options (held-out evaluation and prompt filtering score so)."""
-        from keye.rewards import RewardSpec
-
-        spec = dict(reward.spec)
-        if accuracy_only:
-            options = dict(spec.get("options") or {})
-            options.update({k: v for k, v in spec.items() if k not in ("rewards", "options")})
-            spec = {"rewards": ["accuracy"], "options": options}
-        return cls(RewardSpec.from_dict(spec), pass_value=reward.pass_value)
-
     def __call__(self, samples: Sequence[RolloutSample]) -> Scores: ...
 
 
