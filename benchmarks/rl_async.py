@@ -1,6 +1,6 @@
 """RL throughput of asynchronous (SeamlessFlow-style) vs synchronous rollouts.
 
-Part (a), measured on this machine: :func:`keye.rl.distributed.streaming.train_async` on keye-tiny with a local Ray cluster
+Part (a), measured on this machine: :func:`keye.recipes.rlep.train` (``rl.mode=async``) on keye-tiny with a local Ray cluster
 (the rollout worker, a :class:`keye.rl.rollout.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
 learner group of one rank, ``rl.ray.learners=1``, in another with one torch thread), synchronous
 (``rl.max_staleness=0``: only the batch of the current weights is generated, so nothing is generated while the
@@ -129,7 +129,7 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
                           mu: float = 3.5, sigma: float = 1.0, max_tokens: int = 160, staleness: int = 1,
                           manifest: str = "data/synth/train.jsonl", limit: int = 64, seed: int = 0,
                           log=print) -> dict[str, list[float]]:
-    """Samples/s of ``train_async`` on keye-tiny, synchronous (``max_staleness=0``) and asynchronous
+    """Samples/s of the asynchronous RL loop on keye-tiny, synchronous (``max_staleness=0``) and asynchronous
     (``staleness``), ``repeats`` runs each, alternating; returns ``{"sync": [...], "async": [...]}``.
 
     Each run: ``steps`` updates of ``prompts`` x ``group`` answers whose lengths are forced by
@@ -139,8 +139,8 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     scores)."""
     import ray
 
+    from keye.recipes.rlep import train
     from keye.rl.config import RLEPConfig
-    from keye.rl.distributed.streaming import train_async
     from keye.rl.rollout.stream_worker import AnswerLengths
     from keye.train.config import load_config
 
@@ -162,7 +162,7 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
                         "log.progress=false", "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={k}",
                         "rl.ray.torch_threads=1",
                     ])
-                    summary = train_async(cfg, answer_length=lengths)
+                    summary = train(cfg, answer_length=lengths)
                     ends = summary["step_end_times"]
                     rate = prompts * group * (steps - warmup) / (ends[-1] - ends[warmup - 1])
                     out[mode].append(rate)
