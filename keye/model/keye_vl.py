@@ -428,7 +428,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             cache: transformers' name for ``past_key_values`` (what ``generate`` passes); either a
                 :class:`KVCache` or a transformers ``Cache`` (``DynamicCache``, ``StaticCache``, ...).
             return_dict: accepted for transformers compatibility; the result is always a :class:`KeyeOutput`.
-            logprob_request: a :class:`keye.rl.logprobs.LogprobRequest`: per-token log-probs (and entropies)
+            logprob_request: a :class:`keye.train.logprobs.LogprobRequest`: per-token log-probs (and entropies)
                 of chosen hidden positions computed here, chunk by chunk, instead of full logits
                 (``logits`` is then None, results in ``token_logp`` / ``token_entropy``). Inside the
                 forward because sharded training (FSDP2, ZeRO-3) only materialises ``lm_head`` there.
