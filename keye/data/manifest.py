@@ -23,7 +23,7 @@ replaces the final assistant message; ``messages`` then ends with the user turn 
 an assistant turn (which one would be the target?); either mistake makes the row bad, with its line and id.
 Training on such a row equals training on one ordinary row per answer (prompt + that answer), each answer
 a full sample of the token-mean loss; ``keye train sft`` computes the shared prompt (and its images and
-videos) once per row (``train.tree``, see :mod:`keye.recipes.sft`). Parsed, the row's ``messages`` end with
+videos) once per row (``train.tree``, see :mod:`keye.sft.trees`). Parsed, the row's ``messages`` end with
 an assistant turn holding the first answer as its content and the whole list under ``"answers"``
 (:data:`ANSWERS_KEY`), so a consumer that does not know multi-answer rows sees an ordinary SFT row and RL /
 evaluation readers, which drop assistant turns, see the prompt; :func:`expand_answers` gives the
