@@ -29,3 +29,17 @@ def tiny_model():
     return make_tiny_model("preview", seed=0)
 
 
+
+
+@pytest.fixture(scope="package")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs, no dashboard) for every Ray test of tests/rl: started on first use, shut down
+    after the package's last test (each module starting its own cost seconds apiece). Yields the ``ray`` module;
+    ``ray.get_runtime_context().gcs_address`` lets a subprocess driver join it."""
+    ray = pytest.importorskip("ray")
+    from tests.rl import _ray_helpers
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(_ray_helpers)  # the workers cannot import the tests package
+    yield ray
+    ray.shutdown()

@@ -22,6 +22,7 @@ from keye.recipes.rlep import train  # noqa: E402
 from keye.rl import ReplayEntry, ReplayPool  # noqa: E402
 from keye.rl.config import RLEPConfig  # noqa: E402
 from keye.train.config import load_config  # noqa: E402
+from tests.recipes import cheapest_rows  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,36 +30,17 @@ B, G, K = 2, 2, 1  # prompts per update, answers per prompt, max staleness
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory) -> dict[str, Path]:
-    """A tiny 1.5 checkpoint, the 4 cheapest synthetic training questions as an RL manifest and a replay pool
-    with one reference answer per question (as tests/train/test_rlep.py builds them)."""
-    from keye.data.synth import generate
-    from keye.testing.model import save_tiny_checkpoint
-    from keye.testing.processor import make_tiny_processor_dir
-
-    root = tmp_path_factory.mktemp("async_fx")
-    ckpt = root / "ckpt"
-    make_tiny_processor_dir(ckpt, variant="1.5")
-    save_tiny_checkpoint(ckpt, "1.5", seed=0)
-    synth = generate(root / "synth", train=40, test=8, seed=0, workers=1, progress=False)
-    rows = [json.loads(x) for x in synth["train"].read_text().splitlines()]
-    small = sorted(rows, key=lambda r: r["meta"]["num_frames"] * r["meta"]["width"] * r["meta"]["height"])[:4]
-    manifest = synth["train"].parent / "rl_train.jsonl"
+def fx(tiny_ckpt, synth_set) -> dict[str, Path]:
+    """The session's tiny 1.5 checkpoint, the 4 cheapest synthetic training questions as an RL manifest and a
+    replay pool with one reference answer per question."""
+    small = cheapest_rows(synth_set["train"], 4)
+    root = synth_set["train"].parent
+    manifest = root / "async_train.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in small))
     pool = ReplayPool()
     for r in small:
         pool.add(ReplayEntry(r["id"], r["answer"], None, 1.0, {"source": "reference"}))
-    return {"ckpt": ckpt, "train": manifest, "pool": pool.save_jsonl(root / "pool.jsonl")}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """One local Ray cluster for the module (2 CPUs); its GCS address lets a subprocess driver join it."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    return {"ckpt": tiny_ckpt, "train": manifest, "pool": pool.save_jsonl(root / "async_pool.jsonl")}
 
 
 def _overrides(fx, out, *extra) -> list[str]:
@@ -95,7 +77,7 @@ def _check_log(out: Path, steps: int, k: int) -> list[dict]:
     return lines
 
 
-def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_updates(fx, cluster, tmp_path):
+def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_updates(fx, ray_cluster, tmp_path):
     # Answer lengths forced per question (EOS masked before): the first update's questions get 16 tokens, the
     # other questions 400. Batches 0 and 1 are generated together (staleness 1); batch 0 ends after 16 tokens
     # and its update (4 x 16 tokens) ends while batch 1 is a fraction into its 400, so batch 1's answers
@@ -134,7 +116,7 @@ def test_async_run_keeps_the_staleness_bound_and_continues_answers_across_update
     assert on["staleness"] == {0: 2 * B * G} and on["partial"] == 0
 
 
-def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path):
+def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, ray_cluster, tmp_path):
 
     killed: dict[str, int] = {}
 
@@ -171,7 +153,7 @@ def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, cluster, tmp_path)
 
 
 
-def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, cluster, tmp_path):
+def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, ray_cluster, tmp_path):
 
     # no replay: a random model fails every question, so every group is uninformative by accuracy; each update
     # examines max_rounds * B groups (the admission makes room for a new group per dropped one), trains none,
@@ -206,7 +188,7 @@ def _assert_released() -> None:
     raise AssertionError(f"still held after the run: actors {live}, placement groups {groups}")
 
 
-def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(fx, cluster, tmp_path):
+def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(fx, ray_cluster, tmp_path):
     import gc
 
     from keye.model.keye_vl import KeyeVL
@@ -243,7 +225,7 @@ def test_two_fsdp2_learner_ranks_train_while_the_driver_holds_no_policy_weights(
     _assert_released()
 
 
-def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, cluster, tmp_path):
+def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, ray_cluster, tmp_path):
     """Two runs that differ only in the learner group (2 FSDP2 ranks vs 1 rank, strategy none) end with the
     same parameters (max |difference| < 2e-5), the learner being world-invariant (keye/rl/learner/learner.py).
 
@@ -281,7 +263,7 @@ def test_two_fsdp2_learner_ranks_equal_one_rank_at_staleness_zero(fx, cluster, t
     assert any(not torch.equal(a[k], start[k]) for k in a if k in start)  # it trained
 
 
-def test_prompt_filtering_runs_on_a_ray_task_and_reports_an_empty_question_set(fx, cluster, tmp_path):
+def test_prompt_filtering_runs_on_a_ray_task_and_reports_an_empty_question_set(fx, ray_cluster, tmp_path):
     """``data.filter_samples`` in async mode samples the start weights in a one-off Ray task (the driver holds
     no policy); a random policy never answers correctly, so nothing is kept and the run fails with a typed
     error after releasing its learner group."""

@@ -3,7 +3,7 @@
 its request re-sent without changing the results (a killed and resumed Ray run: tests/rl/test_resume.py), reward
 workers that die or hang are replaced and their share re-scored, and the in-process recipe never imports Ray.
 
-The Ray tests share one local cluster (2 CPUs, no dashboard) started by a module fixture and shut down after.
+The Ray tests share the local cluster of tests/rl/conftest.py's ``ray_cluster`` fixture.
 """
 
 from __future__ import annotations
@@ -72,15 +72,6 @@ def _assert_released(ray) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"still held after the run: actors {live}, placement groups {groups}")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(_ray_helpers)  # the workers cannot import the tests package
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

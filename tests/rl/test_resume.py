@@ -62,15 +62,6 @@ def uninterrupted(tiny_ckpt, rl_set, tmp_path_factory):
     return train(rl_config(tiny_ckpt, rl_set, out, *ARGS)), out
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster for the module (2 CPUs); its GCS address lets a subprocess driver join it."""
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
 def _kill_after_first_checkpoint(args: list[str], out: Path) -> Path:
     """Start a driver, SIGKILL it once its step-2 checkpoint is complete; returns the newest checkpoint."""
     proc = subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(args), str(TORCH_THREADS)],
@@ -96,7 +87,8 @@ def test_a_killed_driver_resumes_and_ends_as_the_uninterrupted_run(engine, tiny_
     args = [*ARGS, *ENGINES[engine]]
     driver_args = rl_overrides(tiny_ckpt, rl_set, out, *args)
     if engine != "process":
-        driver_args.append(f"rl.ray.address={request.getfixturevalue('ray_cluster')}")
+        gcs = request.getfixturevalue("ray_cluster").get_runtime_context().gcs_address
+        driver_args.append(f"rl.ray.address={gcs}")
     ckpt = _kill_after_first_checkpoint(driver_args, out)
     saved = torch.load(ckpt / "loader_rank0.pt", weights_only=False)
 
