@@ -39,37 +39,117 @@ def media_kind(path: str | Path) -> str:
     )
 
 
-def check_media(paths: Sequence[str | Path], max_video_seconds: float | None = None) -> list[tuple[str, str]]:
-    """Validate uploaded files before any decoding; returns ``[(kind, path), ...]`` in upload order.
+# (offset, signature) of formats that are certainly pictures; GIF and WebP are left out (they may be animations).
+_IMAGE_MAGIC = ((0, b"\x89PNG\r\n\x1a\n", "PNG"), (0, b"\xff\xd8\xff", "JPEG"), (0, b"BM", "BMP"),
+                (0, b"II*\x00", "TIFF"), (0, b"MM\x00*", "TIFF"))
+_VIDEO_MAGIC = ((0, b"\x1a\x45\xdf\xa3", "Matroska/WebM"), (0, b"FLV\x01", "FLV"))
+# ISO base media brands of still-image formats (HEIC, AVIF) that share MP4's "ftyp" box.
+_STILL_BRANDS = (b"heic", b"heix", b"hevc", b"mif1", b"msf1", b"avif", b"avis")
 
-    Checks: the file exists and is not empty, its extension is a known video/image type, a video's
-    container opens and has frames (PyAV demux, no decoding), and a video is at most ``max_video_seconds``
-    long. Raises :class:`KeyeInputError` naming the file and the problem.
+
+def sniff_media_kind(path: str | Path) -> tuple[str, str] | None:
+    """``("image" | "video", format name)`` when the first bytes of ``path`` certainly say which it is (PNG, JPEG,
+    BMP, TIFF pictures; MP4 / MOV, Matroska / WebM, AVI, FLV videos), else None (unknown, or a format that can
+    be either, like GIF). Reads 16 bytes; raises nothing (an unreadable file is None)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except OSError:
+        return None
+    for offset, magic, name in _IMAGE_MAGIC:
+        if head[offset:offset + len(magic)] == magic:
+            return "image", name
+    for offset, magic, name in _VIDEO_MAGIC:
+        if head[offset:offset + len(magic)] == magic:
+            return "video", name
+    if head[4:8] == b"ftyp":
+        return ("image", "HEIF/AVIF") if head[8:12] in _STILL_BRANDS else ("video", "MP4/MOV")
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "video", "AVI"
+    return None
+
+
+def _declared(item: Any) -> tuple[str | None, Path]:
+    if isinstance(item, tuple):
+        kind, path = item
+        if kind not in ("video", "image"):
+            raise ValueError(f"media kind must be 'video' or 'image', got {kind!r}")
+        return kind, Path(path)
+    return None, Path(item)
+
+
+def check_media(items: Sequence[Any], max_video_seconds: float | None = None) -> list[tuple[str, str]]:
+    """Validate media files before any decoding; returns ``[(kind, path), ...]`` in the given order.
+
+    An item is a path (its kind read from the extension: a demo upload) or ``(kind, path)`` with ``kind``
+    ``"video"`` or ``"image"`` as the user declared it (``keye chat --video / --image``). Checks: the file
+    exists and is not empty; a declared kind agrees with the extension when the extension is a known video or
+    image type (an unknown extension is then accepted and the content checked instead); without a declared
+    kind the extension must be a known type; a video's container opens and has frames (PyAV demux, no
+    decoding) and it is at most ``max_video_seconds`` long; a declared image with an unknown extension is an
+    image Pillow can identify; a declared kind also agrees with the file's content where its first bytes say
+    what it is (:func:`sniff_media_kind`). Raises :class:`KeyeInputError` naming the file and the problem. Nothing heavy
+    is imported before the first video or image needs probing, so a missing file is reported at once.
     """
-    from keye.processing.video import probe_video
-
     out = []
-    for p in paths:
-        path = Path(p)
-        kind = media_kind(path)
+    for item in items:
+        declared, path = _declared(item)
+        suffix = path.suffix.lower()
+        by_extension = "video" if suffix in VIDEO_EXTS else "image" if suffix in IMAGE_EXTS else None
+        if declared is None:
+            kind = media_kind(path)
+        elif by_extension is not None and by_extension != declared:
+            raise KeyeInputError(
+                f"given with --{declared}, but a {suffix} file is {'an image' if by_extension == 'image' else 'a video'}; "
+                f"pass it with --{by_extension}",
+                path=path.name,
+            )
+        else:
+            kind = declared
         if not path.is_file():
             raise KeyeInputError("file not found", path=path.name)
         if path.stat().st_size == 0:
             raise KeyeInputError("file is empty", path=path.name)
+        sniffed = sniff_media_kind(path)
+        if declared is not None and sniffed is not None and sniffed[0] != declared:
+            # the content decides over the name: a PNG renamed clip.mp4 is still a picture
+            raise KeyeInputError(
+                f"given with --{declared}, but it is {'an image' if sniffed[0] == 'image' else 'a video'} "
+                f"({sniffed[1]}); pass it with --{sniffed[0]}",
+                path=path.name,
+            )
         if kind == "video":
-            try:
-                probe = probe_video(str(path))
-            except KeyeInputError as err:
-                # The upload's temporary path means nothing to the user; name the file only.
-                raise KeyeInputError(err.reason, path=path.name) from None
-            if max_video_seconds is not None and probe.duration > max_video_seconds:
-                raise KeyeInputError(
-                    f"video is too long ({probe.duration:.1f} s); this demo accepts at most "
-                    f"{max_video_seconds:g} s, trim it or raise --max-video-seconds",
-                    path=path.name,
-                )
+            _check_video(path, max_video_seconds)
+        elif by_extension is None:
+            _check_image(path)
         out.append((kind, str(path)))
     return out
+
+
+def _check_video(path: Path, max_video_seconds: float | None) -> None:
+    from keye.processing.video import probe_video
+
+    try:
+        probe = probe_video(str(path))
+    except KeyeInputError as err:
+        # The upload's temporary path means nothing to the user; name the file only.
+        raise KeyeInputError(err.reason, path=path.name) from None
+    if max_video_seconds is not None and probe.duration > max_video_seconds:
+        raise KeyeInputError(
+            f"video is too long ({probe.duration:.1f} s); this demo accepts at most "
+            f"{max_video_seconds:g} s, trim it or raise --max-video-seconds",
+            path=path.name,
+        )
+
+
+def _check_image(path: Path) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise KeyeInputError(f"not an image Pillow can read ({err.__class__.__name__})", path=path.name) from None
 
 
 @dataclass
@@ -166,9 +246,16 @@ class ChatSession:
 
     @classmethod
     def for_files(cls, paths: Sequence[str | Path], max_video_seconds: float | None = None) -> ChatSession:
-        """A new conversation about the files ``paths``, checked first (:func:`check_media`, which raises
-        :class:`KeyeInputError` naming a bad file)."""
+        """A new conversation about the files ``paths`` (kinds from their extensions), checked first
+        (:func:`check_media`, which raises :class:`KeyeInputError` naming a bad file)."""
         return cls(media=check_media(paths, max_video_seconds))
+
+    @classmethod
+    def for_media(cls, media: Sequence[tuple[str, str | Path]], max_video_seconds: float | None = None) -> ChatSession:
+        """A new conversation about ``media``, ``[(kind, path)]`` in the order the model is to see them, each
+        checked as the kind it was given as (:func:`check_media`; a PNG given as a video is an error naming
+        it)."""
+        return cls(media=check_media(list(media), max_video_seconds))
 
     def finish_turn(self, question: str, text: str, processor: Any,
                     generated_tokens: int | None) -> tuple[Any, dict[str, Any]]:
@@ -254,14 +341,28 @@ def reply_stats(text: str, generated_tokens: int | None, tokenizer: Any = None) 
     return stats
 
 
+def generated_tokens(answer_tokens: int, ended_by_eos: bool) -> int:
+    """The token count keye reports for a reply, everywhere: the ``keye chat`` footer, the demo's line and
+    summary, ``keye serve``'s ``usage.completion_tokens`` (per choice) and ``keye eval``'s ``reply_tokens``.
+
+    It is the number of tokens the model generated: the ``answer_tokens`` that make up the text plus the end
+    token when decoding ended on one (it costs a decoding step like any other, and vLLM counts it too). A reply
+    cut by the token budget or a stop string counts what was generated, with no end token. ``right`` followed
+    by EOS is 2 tokens.
+    """
+    if answer_tokens < 0:
+        raise ValueError(f"answer_tokens must be >= 0, got {answer_tokens}")
+    return int(answer_tokens) + (1 if ended_by_eos else 0)
+
+
 def stream_reply(
     model: Any, processor: Any, batch: Any, sampling: SamplingSettings, stats: dict[str, Any] | None = None
 ) -> Iterator[str]:
     """Yield the generated text piece by piece for a processed single-conversation ``batch``.
 
     Special tokens are kept out of the text (the thinking tags are ordinary tokens in Keye's vocabulary
-    and stay). ``stats``, if given, gets ``"tokens"`` (tokens generated so far, EOS included) updated as
-    decoding runs. Raises :class:`KeyeInputError` for out-of-range sampling settings.
+    and stay). ``stats``, if given, gets ``"tokens"`` (tokens generated so far, :func:`generated_tokens`: EOS
+    included) updated as decoding runs. Raises :class:`KeyeInputError` for out-of-range sampling settings.
     """
     from keye.model.generation import iter_text
 
@@ -276,12 +377,16 @@ def stream_reply(
         stats["tokens"] = 0
 
     def tokens() -> Iterator[int]:
+        answer = 0
         for nxt, _ in model.generate_steps(**tensors, **kwargs):
             tok = int(nxt[0])
-            if stats is not None:
-                stats["tokens"] += 1
             if tok in eos:
+                if stats is not None:
+                    stats["tokens"] = generated_tokens(answer, ended_by_eos=True)
                 return
+            answer += 1
+            if stats is not None:
+                stats["tokens"] = generated_tokens(answer, ended_by_eos=False)
             yield tok
 
     yield from iter_text(processor.tokenizer, tokens())

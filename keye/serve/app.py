@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import shutil
 import tempfile
 import threading
@@ -26,11 +27,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from keye.errors import KeyeError
+from keye.demo.session import generated_tokens, sniff_media_kind
+from keye.errors import KeyeError, KeyeInputError
 from keye.serve.engine import BatchEngine, EngineConfig, Job, threadsafe_emitter
 from keye.serve.errors import APIError
 from keye.serve.media import MediaPolicy, fetch_media
-from keye.serve.protocol import ChatRequest, ServerLimits, message_fields, parse_chat_request, split_reasoning
+from keye.serve.protocol import (
+    ChatRequest,
+    MediaRef,
+    ServerLimits,
+    message_fields,
+    parse_chat_request,
+    split_reasoning,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +80,22 @@ class KeyeServer:
 
     # ---------------------------------------------------------------- preprocessing (worker threads)
     def prepare(self, req: ChatRequest) -> dict[str, Any]:
-        """Fetch the media and run the processor; returns the single-row tensors. Raises APIError."""
+        """Fetch the media and run the processor; returns the single-row tensors. Raises APIError; a media
+        item the processor cannot use is a 400 naming the request field and the file as the client gave it
+        (its URL or path; never the server's temporary copy)."""
         workdir = Path(tempfile.mkdtemp(prefix="keye_serve_"))
         try:
+            local: dict[str, MediaRef] = {}
             for ref in req.media:
                 path = fetch_media(ref.url, ref.kind, ref.param, self.config.media, workdir)
+                _check_kind(path, ref)
                 req.messages[ref.message]["content"][ref.part][ref.kind] = str(path)
+                local[str(path)] = ref
             with self._process_lock:
                 try:
                     batch = self.processor(req.messages, mode=req.mode)
                 except KeyeError as err:
-                    param = req.media[0].param if len(req.media) == 1 else "messages"
-                    raise APIError(400, f"{param}: {_strip_tmp(str(err), workdir)}", param=param,
-                                   code="invalid_media" if req.media else None) from None
+                    raise _media_error(err, req, local, workdir) from None
             limit = self.config.limits.max_frames
             for meta in getattr(batch, "video_meta", []):
                 if len(meta.indices) > limit:
@@ -115,6 +127,62 @@ class KeyeServer:
 def _strip_tmp(message: str, workdir: Path) -> str:
     # Downloaded media live in a temporary folder whose name means nothing to the client.
     return message.replace(str(workdir) + "/", "")
+
+
+def client_name(url: str) -> str | None:
+    """How the client named a media item, for error messages: its URL or local path as given, None for a
+    ``data:`` URI (which has no name; the request field identifies it)."""
+    url = url.strip()
+    if url[:5].lower() == "data:":
+        return None
+    if url.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(url).path)
+    return url if len(url) <= 200 else url[:197] + "..."
+
+
+def _check_kind(path: Path, ref: MediaRef) -> None:
+    """A 400 naming the client's file when its content is certainly the other kind of media than the part it
+    came in (a PNG in a ``video_url`` part would otherwise be decoded as a one-frame video)."""
+    sniffed = sniff_media_kind(path)
+    if sniffed is not None and sniffed[0] != ref.kind:
+        name = client_name(ref.url)
+        what = f"{name} is" if name is not None else "it is"
+        raise APIError(400, f"{ref.param}: {what} {'an image' if sniffed[0] == 'image' else 'a video'} "
+                       f"({sniffed[1]}), not {'an image' if ref.kind == 'image' else 'a video'}; send it in "
+                       f"{'an image_url' if sniffed[0] == 'image' else 'a video_url'} part", param=ref.param, code="invalid_media")
+
+
+def _failing_media(err: KeyeError, req: ChatRequest, local: dict[str, MediaRef]) -> MediaRef | None:
+    """The media item a processor error is about: the one whose file it names, else the one its item label
+    ("video 1 (row 0)": the processor numbers each kind in prompt order, as ``req.media`` lists them)."""
+    path = getattr(err, "path", None)
+    if path is not None and path in local:
+        return local[path]
+    label = re.match(r"(video|image) (\d+)", str(getattr(err, "item", None) or ""))
+    if label:
+        same_kind = [ref for ref in req.media if ref.kind == label.group(1)]
+        if int(label.group(2)) < len(same_kind):
+            return same_kind[int(label.group(2))]
+    return None
+
+
+def _media_error(err: KeyeError, req: ChatRequest, local: dict[str, MediaRef], workdir: Path) -> APIError:
+    """The 400 for a processor error on a request: ``<field>: <client's name for the file>: <reason>`` for a
+    media item (:func:`_failing_media`), else ``messages: <reason>``. The processor's own item label ("video 0
+    (row 0)") and the server's file names are left out."""
+    ref = _failing_media(err, req, local)
+    reason = err.reason if isinstance(err, KeyeInputError) else str(err)
+    for where, item in local.items():  # decoder messages may quote the file they read
+        name = client_name(item.url)
+        reason = reason.replace(where, name if name is not None else "the data: URI")
+    reason = _strip_tmp(reason, workdir)
+    if ref is None:
+        return APIError(400, f"messages: {reason}", param="messages", code="invalid_media" if req.media else None)
+    name = client_name(ref.url)
+    where = f"{name}: " if name is not None else ""
+    return APIError(400, f"{ref.param}: {where}{reason}", param=ref.param, code="invalid_media")
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -190,7 +258,7 @@ def create_app(server: KeyeServer):
                 choices[ev["choice"]] = {
                     "index": ev["choice"], "message": message_fields(text),
                     "finish_reason": "stop" if stopped else ev["reason"], "logprobs": None,
-                    "_tokens": len(ev["tokens"]),
+                    "_tokens": generated_tokens(len(ev["tokens"]), ev["eos"]),
                 }
             elif ev["type"] == "end":
                 break
@@ -282,7 +350,7 @@ async def _stream(server: KeyeServer, req: ChatRequest, job: Job, events: asynci
         elif kind == "done":
             c = ev["choice"]
             ids[c] = list(ev["tokens"])
-            completion += len(ev["tokens"])
+            completion += generated_tokens(len(ev["tokens"]), ev["eos"])
             d = delta(c, final=True) or {}
             _, stopped = _cut_at_stop(server.decode(ids[c]), req.stop)
             finished.add(c)
@@ -296,12 +364,16 @@ async def _stream(server: KeyeServer, req: ChatRequest, job: Job, events: asynci
     yield "data: [DONE]\n\n"
 
 
-def serve(server: KeyeServer, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the HTTP server until interrupted (blocking)."""
+def serve(server: KeyeServer, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          sock: Any = None) -> None:
+    """Run the HTTP server until interrupted (blocking). ``sock``: an already bound listening socket to serve
+    on (``keye serve`` binds its port before loading the model, so a busy port is reported at once);
+    without it uvicorn binds ``host:port`` itself."""
     import uvicorn
 
     try:
-        uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+        uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level))
+        uv.run(sockets=[sock] if sock is not None else None)
     finally:
         server.close()
 

@@ -19,8 +19,9 @@ def add_commands(subparsers: Any) -> None:
     add_model_arguments(s)
     s.add_argument("--served-model-name", default=None, help="model id reported by /v1/models (default: --model)")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="auto", help="weights dtype on GPU (CPU always runs float32)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (an error if it is in use)")
+    s.add_argument("--dtype", default="auto",
+                   help="weights dtype on GPU (default: auto, the checkpoint's; CPU always runs float32)")
     s.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (n choices count as n rows)")
     s.add_argument("--batch-window-ms", type=float, default=10.0, help="wait this long for more requests to batch")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more are answered 429")
@@ -30,7 +31,8 @@ def add_commands(subparsers: Any) -> None:
     s.add_argument("--fetch-timeout", type=float, default=10.0, help="seconds allowed for one media download")
     s.add_argument("--allow-local-media", action="append", default=[], metavar="DIR",
                    help="let requests name local files under DIR (repeatable; default: local paths refused)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs each request)")
     s.set_defaults(func=_serve)
 
 
@@ -58,9 +60,17 @@ def build_server(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from keye.serve.app import serve
+    from keye.demo.net import bind_port
 
-    server = build_server(args)
-    print(f"keye serve: {server.config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(server, host=args.host, port=args.port, log_level=args.log_level)
+    # The port first: a busy one is reported before seconds of model loading, and nothing can take it since.
+    sock = bind_port(args.host, args.port)
+    try:
+        from keye.serve.app import serve
+
+        server = build_server(args)
+        port = sock.getsockname()[1]
+        print(f"keye serve: {server.config.model_name} on http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+        serve(server, host=args.host, port=port, log_level=args.log_level, sock=sock)
+    finally:
+        sock.close()
     return 0

@@ -4,7 +4,8 @@ Each request is preprocessed on its own (media fetched, the processor run) by th
 input fails only that request. The engine's thread then collects what arrives within a short window
 (``batch_window_ms``, up to ``max_batch_size`` rows, a request with ``n`` choices being ``n`` rows), merges
 compatible requests (same sampling settings; a seeded request runs alone, so its output depends only on
-its seed) into one left-padded batch, and decodes them together with the KV cache. Tokens go back to each
+its seed) into one left-padded batch (a greedy request with ``n`` choices is decoded once and its answer
+given to every choice, as OpenAI does: greedy choices are identical), and decodes them together with the KV cache. Tokens go back to each
 request's event queue as they are produced, so streaming and non-streaming requests share batches.
 
 The queue is bounded (``max_queue`` requests waiting): :meth:`BatchEngine.submit` raises a 429
@@ -49,9 +50,11 @@ class Job:
     settings, and where its events go.
 
     Events (passed to ``emit``) are dicts: ``{"type": "token", "choice": i, "token": id}`` per generated
-    token, ``{"type": "done", "choice": i, "reason": "stop" | "length", "tokens": [ids]}`` per choice,
-    ``{"type": "end"}`` once all choices are done, or ``{"type": "error", "error": APIError}``.
-    ``stop_check(choice, token_ids) -> bool`` lets the caller end a choice early (stop strings).
+    token, ``{"type": "done", "choice": i, "reason": "stop" | "length", "tokens": [ids], "eos": bool}`` per
+    choice (``tokens`` without the end token; ``eos`` whether decoding ended on one), ``{"type": "end"}`` once
+    all choices are done, or ``{"type": "error", "error": APIError}``. ``stop_check(choice, token_ids) ->
+    bool`` lets the caller end a choice early (stop strings). A greedy job decodes one row whatever ``n`` is
+    and sends every event of that row to each of its ``n`` choices.
     """
 
     inputs: dict[str, torch.Tensor]
@@ -75,7 +78,17 @@ class Job:
 
     @property
     def prompt_tokens(self) -> int:
+        """Tokens of the processed prompt (vision tokens included)."""
         return int(self.inputs["input_ids"].shape[1])
+
+    @property
+    def rows(self) -> int:
+        """Rows this job decodes: ``n`` when sampling, 1 when greedy (every greedy choice is the same)."""
+        return self.n if self.do_sample else 1
+
+    def choices(self, row: int) -> range:
+        """The choices that receive the events of the job's decoded ``row``."""
+        return range(self.n) if not self.do_sample else range(row, row + 1)
 
 
 def merge_inputs(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -131,9 +144,9 @@ class BatchEngine:
         """Queue ``job``; raises a 429 :class:`APIError` when the queue is full, 503 once closed."""
         if self._closed.is_set():
             raise APIError(503, "the server is shutting down")
-        if job.n > self.config.max_batch_size:
-            raise APIError(400, f"n: {job.n} choices exceed the server's batch size {self.config.max_batch_size}",
-                           param="n")
+        if job.rows > self.config.max_batch_size:
+            raise APIError(400, f"n: {job.n} sampled choices exceed the server's batch size "
+                           f"{self.config.max_batch_size}", param="n")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -161,7 +174,7 @@ class BatchEngine:
             self._pending.append(first)
         deadline = time.perf_counter() + self.config.batch_window_ms / 1000.0
         while True:
-            rows = sum(j.n for j in self._pending if j.key() == self._pending[0].key())
+            rows = sum(j.rows for j in self._pending if j.key() == self._pending[0].key())
             remaining = deadline - time.perf_counter()
             if rows >= self.config.max_batch_size or remaining <= 0:
                 break
@@ -176,9 +189,9 @@ class BatchEngine:
         key = self._pending[0].key()
         batch, rest, rows = [], [], 0
         for job in self._pending:
-            if job.key() == key and rows + job.n <= self.config.max_batch_size:
+            if job.key() == key and rows + job.rows <= self.config.max_batch_size:
                 batch.append(job)
-                rows += job.n
+                rows += job.rows
             else:
                 rest.append(job)
         self._pending = rest
@@ -204,7 +217,7 @@ class BatchEngine:
 
     @torch.inference_mode()
     def _generate(self, batch: list[Job]) -> None:
-        owners = [(job, c) for job in batch for c in range(job.n)]
+        owners = [(job, r) for job in batch for r in range(job.rows)]
         inputs = merge_inputs([job.inputs for job, _ in owners], self.pad_token_id)
         device = getattr(self.model, "device", torch.device("cpu"))
         inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -220,7 +233,17 @@ class BatchEngine:
         self.stats["rows"] += len(owners)
         tokens: list[list[int]] = [[] for _ in owners]
         done = [False] * len(owners)
-        jobs_left = {id(job): job.n for job in batch}
+        rows_left = {id(job): job.rows for job in batch}
+
+        def finish(r: int, reason: str, eos: bool) -> None:
+            done[r] = True
+            job, row = owners[r]
+            for choice in job.choices(row):
+                job.emit({"type": "done", "choice": choice, "reason": reason, "tokens": list(tokens[r]), "eos": eos})
+            rows_left[id(job)] -= 1
+            if rows_left[id(job)] == 0:
+                job.emit({"type": "end"})
+
         steps = self.model.generate_steps(
             **inputs, generator=generator, max_new_tokens=max(job.max_tokens for job in batch),
             do_sample=lead.do_sample, temperature=lead.temperature if lead.do_sample else 1.0,
@@ -232,34 +255,25 @@ class BatchEngine:
                 for r, tok in enumerate(nxt.tolist()):
                     if done[r]:
                         continue
-                    job, choice = owners[r]
-                    reason = None
+                    job, row = owners[r]
                     if tok in self.eos:
-                        reason = "stop"
-                    else:
-                        tokens[r].append(tok)
-                        self.stats["generated_tokens"] += 1
+                        finish(r, "stop", eos=True)
+                        continue
+                    tokens[r].append(tok)
+                    self.stats["generated_tokens"] += 1
+                    for choice in job.choices(row):
                         job.emit({"type": "token", "choice": choice, "token": tok})
-                        if job.stop_check is not None and job.stop_check(choice, tokens[r]):
-                            reason = "stop"
-                        elif len(tokens[r]) >= job.max_tokens:
-                            reason = "length"
-                    if reason is not None:
-                        done[r] = True
-                        job.emit({"type": "done", "choice": choice, "reason": reason, "tokens": tokens[r]})
-                        jobs_left[id(job)] -= 1
-                        if jobs_left[id(job)] == 0:
-                            job.emit({"type": "end"})
+                    if job.stop_check is not None and job.stop_check(row, tokens[r]):
+                        finish(r, "stop", eos=False)
+                    elif len(tokens[r]) >= job.max_tokens:
+                        finish(r, "length", eos=False)
                 if all(done):
                     break
         finally:
             steps.close()
-        for r, (job, choice) in enumerate(owners):  # rows the loop ended without an EOS (max_new_tokens)
+        for r in range(len(owners)):  # rows the loop ended without an EOS (max_new_tokens)
             if not done[r]:
-                job.emit({"type": "done", "choice": choice, "reason": "length", "tokens": tokens[r]})
-                jobs_left[id(job)] -= 1
-                if jobs_left[id(job)] == 0:
-                    job.emit({"type": "end"})
+                finish(r, "length", eos=False)
 
 
 def threadsafe_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[dict[str, Any]], None]:

@@ -67,7 +67,8 @@ class ChatRequest:
 
     @property
     def do_sample(self) -> bool:
-        """OpenAI's convention: temperature 0 is greedy decoding."""
+        """OpenAI's convention: temperature 0 is greedy decoding (and ``n`` greedy choices are ``n`` copies of
+        the one greedy answer, decoded once)."""
         return self.temperature > 0
 
 
@@ -196,9 +197,6 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if mode is None and isinstance(kwargs, dict) and "enable_thinking" in kwargs:
         mode = "think" if kwargs["enable_thinking"] else "no_think"
-    if n > 1 and temperature == 0:
-        # n greedy copies would be identical; say so rather than silently spending n times the compute.
-        raise APIError(400, "n: more than one choice needs sampling (temperature > 0)", param="n")
     model = body.get("model")
     return ChatRequest(
         messages=messages, media=media, model=model if isinstance(model, str) else None, max_tokens=max_tokens,

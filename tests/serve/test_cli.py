@@ -45,3 +45,24 @@ def test_keye_serve_command_answers_the_openai_client(tmp_path):
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_busy_port_is_one_line_naming_it_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    from keye.cli import main
+    from keye.demo.engine import ModelHost
+
+    def no_load(self):
+        raise AssertionError("the model must not load when the port is busy")
+
+    monkeypatch.setattr(ModelHost, "load_now", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1, (out, lines)
+    assert lines[0].startswith(f"keye: error: port {port} on 127.0.0.1 is already in use"), lines

@@ -71,17 +71,33 @@ def test_eos_length_and_stop_check_end_choices():
                                                                                        batch_window_ms=50))
     model.gate.clear()
     a, b = [], []
-    engine.submit(_job(a, n=2, max_tokens=4))
-    engine.submit(_job(b, stop_check=lambda c, ids: len(ids) == 2))
+    engine.submit(_job(a, n=2, max_tokens=4, do_sample=True))  # sampled: one row per choice
+    engine.submit(_job(b, do_sample=True, stop_check=lambda c, ids: len(ids) == 2))
     model.gate.set()
     _wait_end(a), _wait_end(b)
     engine.close()
     done_a = {e["choice"]: e for e in a if e["type"] == "done"}
-    assert done_a[0]["reason"] == "stop" and done_a[0]["tokens"] == [5, 6]
-    assert done_a[1]["reason"] == "length" and done_a[1]["tokens"] == [7, 7, 7, 7]
+    assert done_a[0]["reason"] == "stop" and done_a[0]["tokens"] == [5, 6] and done_a[0]["eos"] is True
+    assert done_a[1]["reason"] == "length" and done_a[1]["tokens"] == [7, 7, 7, 7] and done_a[1]["eos"] is False
     done_b = [e for e in b if e["type"] == "done"]
-    assert done_b[0]["reason"] == "stop" and done_b[0]["tokens"] == [8, 8]
+    assert done_b[0]["reason"] == "stop" and done_b[0]["tokens"] == [8, 8] and done_b[0]["eos"] is False
     assert model.calls[0]["rows"] == 3  # both requests in one batch
+
+
+def test_greedy_choices_are_decoded_once_and_all_get_the_answer():
+    model = FakeModel(script=[[5, 6, 9]])
+    engine = BatchEngine(model, eos_token_ids=[9], pad_token_id=0, config=EngineConfig(max_batch_size=2))
+    events = []
+    engine.submit(_job(events, n=3))  # 3 choices fit a batch of 2: greedy needs one row
+    _wait_end(events)
+    engine.close()
+    assert [c["rows"] for c in model.calls] == [1]
+    done = {e["choice"]: e for e in events if e["type"] == "done"}
+    assert sorted(done) == [0, 1, 2]
+    assert all(d["tokens"] == [5, 6] and d["reason"] == "stop" and d["eos"] for d in done.values())
+    streamed = [[e["token"] for e in events if e["type"] == "token" and e["choice"] == c] for c in range(3)]
+    assert streamed == [[5, 6]] * 3
+    assert [e["type"] for e in events].count("end") == 1 and events[-1]["type"] == "end"
 
 
 def test_seeded_and_differently_sampled_jobs_do_not_share_a_batch():

@@ -164,6 +164,19 @@ def test_eight_concurrent_clients_are_batched(client, live, media_dir):
     assert stats["batches"] - before["batches"] < 8
 
 
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory):
+    """A loopback HTTP server whose notes.mp4 is a text file: not a video whatever its name says."""
+    d = tmp_path_factory.mktemp("http_text")
+    (d / "notes.mp4").write_text("meeting notes, not a video\n" * 20)
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(d), **k)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.RequestHandlerClass.log_message = lambda *a, **k: None
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+
+
 def _raw_post(live, body: bytes | dict, headers=None):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(live.url + "/chat/completions", data=data,
@@ -182,8 +195,16 @@ def _user(*parts):
 BAD_INPUTS = {
     "unreachable_url": (400, "could not fetch", lambda d, port: _user(
         {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/nothing.png"}}, _text())),
-    "undecodable_video": (400, "messages[0].content[0]", lambda d, port: _user(
+    "undecodable_video": (400, "messages[0].content[0].video_url.url: {d}/broken.mp4: ", lambda d, port: _user(
         {"type": "video_url", "video_url": {"url": str(d / "broken.mp4")}}, _text())),
+    "text_file_as_video_over_http": (400, "messages[0].content[0].video_url.url: http://127.0.0.1:{port}/", lambda d, port: _user(
+        {"type": "video_url", "video_url": {"url": f"http://127.0.0.1:{port}/notes.mp4"}}, _text())),
+    "picture_as_video": (400, "messages[0].content[0].video_url.url: {d}/red.png is an image (PNG), not a video; "
+                         "send it in an image_url part", lambda d, port: _user(
+        {"type": "video_url", "video_url": {"url": str(d / "red.png")}}, _text())),
+    "undecodable_video_data_uri": (400, "messages[0].content[0].video_url.url: ", lambda d, port: _user(
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()}},
+        _text())),
     "undecodable_image": (400, "messages[0].content[0]", lambda d, port: _user(
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}},
         _text())),
@@ -203,12 +224,16 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(case, live, client, media_dir):
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(case, live, client, media_dir, text_server):
     status, needle, build = BAD_INPUTS[case]
-    code, body = _raw_post(live, {"model": "keye-tiny", "messages": build(media_dir, free_port()), "max_tokens": 4})
+    port = text_server if case == "text_file_as_video_over_http" else free_port()
+    code, body = _raw_post(live, {"model": "keye-tiny", "messages": build(media_dir, port), "max_tokens": 4})
     assert code == status, body
-    assert needle in body["error"]["message"], body
-    assert "keye_serve_" not in body["error"]["message"]  # the server's temporary folders stay private
+    message = body["error"]["message"]
+    assert needle.format(d=media_dir, port=port) in message, body
+    # the client's own name for its file, never the server's temporary copy nor the processor's item label
+    assert "keye_serve_" not in message and "/tmp" not in message.replace(str(media_dir), "")
+    assert "(row 0)" not in message and "item video" not in message and "item image" not in message
     ok = client.chat.completions.create(model="keye-tiny", messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason in ("stop", "length")
@@ -218,7 +243,7 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(case, live, client, m
     (b"{not json", 400, "not valid JSON"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0}, 400, "sampling"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9, "temperature": 0}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "gpt-9"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "stop"),
@@ -264,3 +289,45 @@ def test_health_reports_engine_counts(live):
     with urllib.request.urlopen(live.url.removesuffix("/v1") + "/health", timeout=10) as resp:
         body = json.loads(resp.read())
     assert body["status"] == "ok" and body["engine"]["requests"] >= 0
+
+
+def test_greedy_n_choices_are_n_copies_of_the_greedy_answer(client, live, tiny):
+    """As OpenAI: n > 1 with temperature 0 is n identical greedy answers (decoded once)."""
+    before = dict(live.server.engine.stats)
+    r = client.chat.completions.create(model="keye-tiny", messages=[{"role": "user", "content": "Say hello."}],
+                                       max_tokens=12, temperature=0, n=3)
+    expected = _reference(tiny, [_text("Say hello.")], max_new_tokens=12)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [expected] * 3
+    assert live.server.engine.stats["rows"] - before["rows"] == 1
+    one = client.chat.completions.create(model="keye-tiny", messages=[{"role": "user", "content": "Say hello."}],
+                                         max_tokens=12, temperature=0)
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="keye-tiny", max_tokens=12, temperature=0, n=2, stream=True,
+                                                 messages=[{"role": "user", "content": "Say hello."}]))
+    texts = ["".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices if ch.index == i)
+             for i in (0, 1)]
+    assert texts == [expected] * 2
+
+
+def test_usage_counts_the_tokens_keye_chat_and_the_demo_show(client, tiny):
+    """One count everywhere (keye.demo.session.generated_tokens): the tokens generated, the end token
+    included; the server's usage and the CLI / demo footer agree on the same greedy reply."""
+    from keye.demo.session import ChatSession, SamplingSettings, reply_stats, stream_reply
+
+    model, proc = tiny
+    question = "hi"
+    r = client.chat.completions.create(model="keye-tiny", messages=[{"role": "user", "content": question}],
+                                       max_tokens=16, temperature=0)
+    assert r.choices[0].finish_reason == "stop", r  # ended by the end token, which both must count
+    batch = proc(ChatSession().messages(question), mode=None)
+    gen = {"tokens": 0}
+    text = "".join(stream_reply(model, proc, batch, SamplingSettings(max_new_tokens=16, greedy=True), gen))
+    assert text == r.choices[0].message.content
+    assert r.usage.completion_tokens == gen["tokens"]
+    # ... which is every generated token up to and including the end token, as generate() returns them
+    ids = model.generate(**batch, max_new_tokens=16, do_sample=False)[0, batch["input_ids"].shape[1]:].tolist()
+    eos = set(model.config.eos_token_ids)
+    assert gen["tokens"] == next(i + 1 for i, t in enumerate(ids) if t in eos)
+    line = reply_stats(text, gen["tokens"], proc.tokenizer)["line"]
+    assert line.endswith(f"· {gen['tokens']} token{'s' if gen['tokens'] != 1 else ''}"), line
