@@ -18,17 +18,20 @@ import sys
 import time
 from typing import Any
 
+# keye.data.synth.EXTRA_VIDEO_TYPES, spelt out so that --help need not import the generator (and numpy);
+# tests/test_cli.py checks the two agree.
+OPT_IN_TYPES = ("price_sum", "when_gap", "when_sum")
+
 
 def add_commands(subparsers: Any) -> None:
     """Add ``keye data {check,synth,clip-filter,autothink}`` to the top-level ``keye`` parser."""
-    from keye.data.synth import EXTRA_VIDEO_TYPES  # numpy only; names the opt-in types in --help
     data = subparsers.add_parser(
         "data", help="training data: check manifests, synthetic set, CLIP filter, AutoThink mode labels")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.set_defaults(func=lambda a: (data.print_help(), 2)[1])
 
     p = sub.add_parser("check", help="list every bad row of a manifest and summarise it (exit 1 if any is bad)")
-    p.add_argument("manifest")
+    p.add_argument("manifest", help="JSONL manifest to check")
     p.add_argument("--root", default=None, help="directory media paths are relative to (default: manifest dir)")
     p.add_argument("--processor", default=None, help="processor/checkpoint dir for exact token counts")
     p.add_argument("--cache", default=None, help="probe cache file (default ~/.cache/keye/probe.sqlite)")
@@ -37,10 +40,10 @@ def add_commands(subparsers: Any) -> None:
     p.set_defaults(func=_check)
 
     p = sub.add_parser("synth", help="generate the synthetic video-QA set")
-    p.add_argument("--out", required=True)
-    p.add_argument("--train", type=int, required=True)
-    p.add_argument("--test", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output folder (train.jsonl, test.jsonl and the media)")
+    p.add_argument("--train", type=int, required=True, help="samples in the train split")
+    p.add_argument("--test", type=int, required=True, help="samples in the test split")
+    p.add_argument("--seed", type=int, default=0, help="seed of the whole set (a sample depends on it and its index)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs; 0 = in-process)")
     p.add_argument("--image-fraction", type=float, default=0.1, help="share of image-only samples")
     p.add_argument("--warmup", type=int, default=0,
@@ -52,29 +55,31 @@ def add_commands(subparsers: Any) -> None:
                         "only) or mixed (each sample 50/50)")
     p.add_argument("--extra-type", action="append", default=[], metavar="TYPE=WEIGHT",
                    help="also draw an opt-in video question type with this weight (the defaults weigh 0.7-1), "
-                        "e.g. when_gap=3; repeatable (opt-in types: " + ", ".join(sorted(EXTRA_VIDEO_TYPES)) + ")")
+                        "e.g. when_gap=3; repeatable (opt-in types: " + ", ".join(OPT_IN_TYPES) + ")")
     p.add_argument("--places", action="store_true",
                    help="the captions also say where each object is (its 3 x 3 grid cell: top left ... bottom right)")
     p.add_argument("--detail-cut", action="store_true",
                    help="detail scenes: the tiny shape arrives with its distractors, so a key frame shows it")
     p.add_argument("--position-weight", type=float, default=1.0,
                    help="weight of the position type among the image types (default 1, as the others)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_synth)
 
     p = sub.add_parser("clip-filter", help="keep image-text pairs whose CLIP score is above a threshold")
-    p.add_argument("manifest")
+    p.add_argument("manifest", help="JSONL manifest of image-text pairs")
     p.add_argument("--out", required=True, help="filtered manifest to write")
     p.add_argument("--model", default="ViT-B-32", help="open_clip architecture name")
     p.add_argument("--model-config", default=None, help="open_clip model config JSON (overrides --model)")
     p.add_argument("--checkpoint", required=True, help="local open_clip weights file")
-    p.add_argument("--threshold", type=float, required=True)
-    p.add_argument("--score", choices=("cosine", "clipscore"), default="cosine")
-    p.add_argument("--text-from", choices=("assistant", "user", "all"), default="assistant")
+    p.add_argument("--threshold", type=float, required=True, help="keep rows whose score is at least this")
+    p.add_argument("--score", choices=("cosine", "clipscore"), default="cosine",
+                   help="cosine similarity, or CLIPScore (2.5 x max(cosine, 0))")
+    p.add_argument("--text-from", choices=("assistant", "user", "all"), default="assistant",
+                   help="which turns' text is compared with the image")
     p.add_argument("--drop-non-pairs", action="store_true", help="drop rows that are not one image + text")
-    p.add_argument("--root", default=None)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--root", default=None, help="directory media paths are relative to (default: manifest dir)")
+    p.add_argument("--batch-size", type=int, default=64, help="pairs scored together")
+    p.add_argument("--device", default="cpu", help="torch device of the CLIP model")
     p.set_defaults(func=_clip_filter)
 
     _add_autothink(sub)
@@ -153,7 +158,7 @@ def _add_autothink(sub: Any) -> None:
                    help="skip ids already in the output (default); --no-resume empties the output first")
     g.add_argument("--transport", choices=("openai", "httpx"), default=None,
                    help="HTTP client (default: the openai package when installed, else httpx)")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_autothink)
 
 

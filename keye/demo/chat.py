@@ -11,13 +11,22 @@ import json
 import sys
 from typing import Any, TextIO
 
-import torch
-
 from keye.demo.engine import ModelHost, add_model_arguments, quiet_transformers
 from keye.demo.session import MODES, ChatSession, SamplingSettings, VideoSettings, split_partial, stream_reply
 from keye.errors import KeyeError, KeyeInputError
 
 _DIM, _RESET = "\033[2m", "\033[0m"
+
+
+class MediaAction(argparse.Action):
+    """``--video FILE`` / ``--image FILE``: appends FILE to ``args.video`` / ``args.image`` and
+    ``(kind, FILE)`` to ``args.media``, which keeps the command line's order across both options (the
+    model is given the media in that order, and each file is checked as the kind it was given as)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None):
+        # copies: argparse shares the default list between parses
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
+        namespace.media = [*(getattr(namespace, "media", None) or []), (self.dest, values)]
 
 
 def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -29,8 +38,11 @@ def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     c.add_argument("text", nargs="?", default=None, help="the question (omit for an interactive chat)")
     add_model_arguments(c)
-    c.add_argument("--video", action="append", default=[], help="video file (repeatable)")
-    c.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    c.add_argument("--video", action=MediaAction, default=[], metavar="FILE",
+                   help="a video file (repeatable); media go to the model in the order given")
+    c.add_argument("--image", action=MediaAction, default=[], metavar="FILE",
+                   help="an image file (repeatable); media go to the model in the order given")
+    c.set_defaults(media=[])
     c.add_argument(
         "--mode", choices=list(MODES), default=None, help="thinking mode (default: the model's own)"
     )
@@ -48,16 +60,20 @@ def add_chat_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="visual tokens per video (default: checkpoint's, else 65536)",
     )
     g.add_argument("--no-slow-fast", action="store_true", help="encode every frame at full size (1.5)")
-    g.add_argument("--similarity", type=float, default=None, help="slow/fast similarity threshold (0-1)")
-    s = c.add_argument_group("decoding")
-    s.add_argument("--max-new-tokens", type=int, default=512)
+    g.add_argument("--similarity", type=float, default=None, help="slow/fast similarity threshold, 0-1 (default: checkpoint's, else 0.9)")
+    s = c.add_argument_group("decoding (greedy unless --sample)")
+    s.add_argument("--max-new-tokens", type=int, default=512, help="answer budget in tokens")
     s.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    s.add_argument("--temperature", type=float, default=0.7)
-    s.add_argument("--top-p", type=float, default=0.9)
-    s.add_argument("--top-k", type=int, default=50)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    c.add_argument("--max-video-seconds", type=float, default=None, help="refuse longer videos")
+    s.add_argument("--temperature", type=float, default=0.7,
+                   help="with --sample: softmax temperature (> 0; lower is more deterministic)")
+    s.add_argument("--top-p", type=float, default=0.9,
+                   help="with --sample: keep the smallest set of tokens whose probability reaches this, in (0, 1]")
+    s.add_argument("--top-k", type=int, default=50, help="with --sample: keep the k likeliest tokens (0: all)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalise tokens already in the text: their positive scores are divided by this, negative "
+                        "ones multiplied (1: off; applies to greedy decoding too)")
+    s.add_argument("--seed", type=int, default=None, help="torch seed set before sampling (default: unseeded)")
+    c.add_argument("--max-video-seconds", type=float, default=None, help="refuse longer videos (default: no limit)")
     c.add_argument("--json", action="store_true", help="print the parsed reply (think/answer/boxed) as JSON")
     c.set_defaults(func=run_chat)
     return c
@@ -146,8 +162,11 @@ def run_chat(args: argparse.Namespace) -> int:
     """Entry point of ``keye chat``; returns the exit code. Errors are :class:`keye.errors.KeyeError`
     (printed as one line with exit code 1 by ``keye.cli.main``)."""
     _settings(args)
-    session = ChatSession.for_files([*args.video, *args.image], args.max_video_seconds)
+    # Checked before anything heavy is imported or loaded: a wrong file is reported at once.
+    session = ChatSession.for_media(args.media, args.max_video_seconds)
     if args.seed is not None:
+        import torch
+
         torch.manual_seed(args.seed)
     quiet_transformers()
     host = ModelHost(args.model, device=args.device).load_now()
@@ -181,7 +200,9 @@ def run_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m keye.demo.chat ...``: the same command as ``keye chat``; a :class:`KeyeError` is printed
     as one line (``keye chat: error: ...``) with exit code 1."""
-    parser = argparse.ArgumentParser(prog="keye")
+    from keye.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="keye")
     add_chat_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
     try:

@@ -16,7 +16,7 @@ def add_commands(subparsers: Any) -> None:
                               "the answer stream, with the sampled frames, their slow/fast types and token counts.")
     add_model_arguments(d)
     d.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
-    d.add_argument("--port", type=int, default=7860)
+    d.add_argument("--port", type=int, default=7860, help="port to listen on (an error if it is in use)")
     d.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     d.add_argument("--max-video-seconds", type=float, default=600.0, help="refuse longer uploads")
     d.add_argument("--queue-size", type=int, default=32, help="requests that may wait in the queue")

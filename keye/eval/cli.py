@@ -43,10 +43,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or hub id")
     p.add_argument("--out", default=default_out, help="run directory (predictions, scores, report)")
     p.add_argument(
-        "--mode", choices=("think", "no_think", "auto"), default=None, help="Keye thinking mode switch"
+        "--mode", choices=("think", "no_think", "auto"), default=None, help="Keye thinking mode switch (default: none, the model's own)"
     )
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=1, help="questions answered together")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="answer budget in tokens")
     p.add_argument(
         "--sampling",
         choices=("greedy", "keye"),
@@ -54,9 +54,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_out: str) -> None:
         help="greedy (official) or Keye's sampling",
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when CUDA is available, else cpu)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_difficulty_args(p)
 
 
@@ -84,12 +85,13 @@ def _add_judge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--judge-url", default=None, help="OpenAI-compatible endpoint for the official LLM extraction"
     )
-    p.add_argument("--judge-model", default="gpt-4o-mini")
+    p.add_argument("--judge-model", default="gpt-4o-mini", help="model name sent to --judge-url")
     p.add_argument(
         "--judge-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key"
     )
     p.add_argument("--quick-extract", action="store_true", help='official `The answer is "..."` shortcut')
-    p.add_argument("--ignore-empty-extractions", action="store_true")
+    p.add_argument("--ignore-empty-extractions", action="store_true",
+                   help="an empty extraction of a multiple-choice answer counts as no answer, not the nearest choice")
 
 
 def add_commands(subparsers: Any) -> None:
@@ -100,17 +102,19 @@ def add_commands(subparsers: Any) -> None:
 
     p = sub.add_parser("mmmu", help="MMMU (official prompts, parsing and aggregation)")
     _add_model_args(p, "runs/mmmu")
-    p.add_argument("--split", default="validation", choices=("dev", "validation", "test"))
+    p.add_argument("--split", default="validation", choices=("dev", "validation", "test"), help="MMMU split")
     p.add_argument("--data", default=None, help="local copy: directory of parquet files")
-    p.add_argument("--subjects", nargs="*", default=None)
-    p.add_argument("--prompt-style", choices=("mmmu", "vlmevalkit"), default="mmmu")
-    p.add_argument("--image-mode", choices=("interleave", "first"), default="interleave")
+    p.add_argument("--subjects", nargs="*", default=None, help="only these subjects (default: all 30)")
+    p.add_argument("--prompt-style", choices=("mmmu", "vlmevalkit"), default="mmmu",
+                   help="the official MMMU prompts or VLMEvalKit's")
+    p.add_argument("--image-mode", choices=("interleave", "first"), default="interleave",
+                   help="interleave: each image where its <image k> stands (how Keye was evaluated); first: only image 1, before the text (the official LLaVA runner)")
     p.add_argument("--seed", type=int, default=42, help="seed of the official random fallback")
     p.set_defaults(func=cmd_mmmu)
 
     p = sub.add_parser("mathvista", help="MathVista (official query, extraction and scoring)")
     _add_model_args(p, "runs/mathvista")
-    p.add_argument("--split", default="testmini", choices=("testmini", "test"))
+    p.add_argument("--split", default="testmini", choices=("testmini", "test"), help="MathVista split")
     p.add_argument("--data", default=None, help="local copy: parquet directory or official JSON")
     _add_judge_args(p)
     p.set_defaults(func=cmd_mathvista)
@@ -136,13 +140,13 @@ def add_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("score", help="re-score stored predictions (ours or the official JSON formats)")
-    p.add_argument("benchmark", choices=BENCHMARKS)
+    p.add_argument("benchmark", choices=BENCHMARKS, help="whose scorer to use")
     p.add_argument("predictions", help="predictions.jsonl, or an official output JSON")
     p.add_argument("--answers", default=None, help="MMMU answer key for an id->prediction JSON (eval only)")
     p.add_argument("--out", default=None, help="write scores and report here")
     p.add_argument("--model-id", default=None, help="model name for the report")
     p.add_argument("--reextract", action="store_true", help="MathVista: extract again even if stored")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="MMMU: seed of the official random fallback")
     p.add_argument("--tokenizer", default=None,
                    help="count reply tokens with this model's tokenizer where the records have no counts")
     _add_judge_args(p)

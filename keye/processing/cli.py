@@ -31,8 +31,10 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument(
         "--processor", default=None, help="processor / checkpoint directory or hub id (default keye-tiny)"
     )
-    p.add_argument("--variant", choices=["preview", "1.5"], default=None)
-    p.add_argument("--mode", choices=["think", "no_think", "auto"], default=None)
+    p.add_argument("--variant", choices=["preview", "1.5"], default=None,
+                   help="model family to process for (default: read from the checkpoint)")
+    p.add_argument("--mode", choices=["think", "no_think", "auto"], default=None,
+                   help="thinking-mode switch added to the last user turn (default: none, the model's own)")
     p.add_argument("--backend", choices=["pyav", "decord", "torchcodec"], default=None, help="video decoder")
     p.add_argument("--training", action="store_true", help="build labels and count the trained tokens")
     p.set_defaults(func=_process)

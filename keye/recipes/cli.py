@@ -26,14 +26,15 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="pool JSONL to write")
     p.add_argument("--n", type=int, default=64, help="answers sampled per question")
     p.add_argument("--min-successes", type=int, default=2, help="distinct verified answers needed to keep a question")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=3072)
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: keep the smallest token set of this mass")
+    p.add_argument("--max-new-tokens", type=int, default=3072, help="answer budget in tokens")
     p.add_argument("--reward", help="reward spec YAML (default: format + accuracy)")
-    p.add_argument("--engine", choices=["local", "vllm"], default="local")
+    p.add_argument("--engine", choices=["local", "vllm"], default="local",
+                   help="generate in this process (local) or with vLLM")
     p.add_argument("--batch-prompts", type=int, default=8, help="questions per generation call")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (local engine)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the model's default)")
     p.set_defaults(func=_rlep_collect)
 
@@ -41,7 +42,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--llm", required=True, help="transformers Qwen3ForCausalLM directory")
     p.add_argument("--vision", required=True, help="transformers SiglipVisionModel (or SiglipModel) directory")
     p.add_argument("--out", required=True, help="output directory (official Keye layout)")
-    p.add_argument("--variant", choices=["preview", "1.5"], default="1.5")
+    p.add_argument("--variant", choices=["preview", "1.5"], default="1.5",
+                   help="Keye-VL-8B-Preview or Keye-VL-1.5 layout")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomly initialised projector")
     p.set_defaults(func=_init)
 

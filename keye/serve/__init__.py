@@ -8,9 +8,23 @@
   one generation thread and streams tokens back;
 - :mod:`keye.serve.app` is the FastAPI application (``/v1/chat/completions`` with server-sent events,
   ``/v1/models``, ``/health``).
+
+The names below are imported on first use, so ``keye serve --help`` (which imports :mod:`keye.serve.cli`,
+and with it this package) does not pay for torch.
 """
 
-from keye.serve.engine import BatchEngine, EngineConfig
-from keye.serve.errors import APIError
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"BatchEngine": "keye.serve.engine", "EngineConfig": "keye.serve.engine", "APIError": "keye.serve.errors"}
 
 __all__ = ["APIError", "BatchEngine", "EngineConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keye.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -77,7 +77,10 @@ def test_interactive_multi_turn(tiny_ckpt, clip, capsys, monkeypatch):
     "args, message",
     [
         (["--video", "/nonexistent/dir/missing.mp4", "q"], "keye chat: error: missing.mp4: file not found"),
-        (["--image", "notes.txt", "q"], "keye chat: error: notes.txt: unsupported file type '.txt'"),
+        (["--image", "clip.mp4", "q"], "keye chat: error: clip.mp4: given with --image, but a .mp4 file is a video; "
+                                        "pass it with --video"),
+        (["--video", "still.PNG", "q"], "keye chat: error: still.PNG: given with --video, but a .png file is an image; "
+                                        "pass it with --image"),
         (["--temperature", "0", "--sample", "q"], "keye chat: error: temperature must be > 0"),
     ],
 )
@@ -96,3 +99,43 @@ def test_bad_path_from_a_real_process():
     )
     assert r.returncode == 1
     assert r.stderr.strip() == "keye chat: error: missing.mp4: file not found", r.stderr
+
+
+def test_a_declared_kind_with_an_unknown_extension_is_checked_by_content(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a picture")
+    assert chat.main(["--image", str(notes), "q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("keye chat: error: notes.txt: not an image Pillow can read"), err
+    from PIL import Image
+
+    from keye.demo.session import check_media
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "still.png")
+    (tmp_path / "still.dat").write_bytes((tmp_path / "still.png").read_bytes())
+    assert check_media([("image", tmp_path / "still.dat")]) == [("image", str(tmp_path / "still.dat"))]
+    # the content decides over the name: a picture renamed clip.mp4 is still a picture
+    (tmp_path / "renamed.mp4").write_bytes((tmp_path / "still.png").read_bytes())
+    assert chat.main(["--video", str(tmp_path / "renamed.mp4"), "q"]) == 1
+    assert capsys.readouterr().err.strip() == ("keye chat: error: renamed.mp4: given with --video, but it is an image "
+                                               "(PNG); pass it with --image")
+
+
+def test_media_go_to_the_model_in_the_order_given(tiny_ckpt, clip, tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    pic = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (220, 40, 40)).save(pic)
+    seen = []
+    original = ChatSession.messages
+
+    def spy(self, question, video=None):
+        msgs = original(self, question, video)
+        seen.append([part["type"] for part in msgs[0]["content"]])
+        return msgs
+
+    monkeypatch.setattr(ChatSession, "messages", spy)
+    common = ["--model", str(tiny_ckpt), "--max-new-tokens", "2", "--device", "cpu", "q"]
+    assert chat.main(["--image", str(pic), "--video", str(clip), *common]) == 0
+    assert chat.main(["--video", str(clip), "--image", str(pic), "--image", str(pic), *common]) == 0
+    assert seen == [["image", "video", "text"], ["video", "image", "image", "text"]]
