@@ -70,13 +70,46 @@ class CheckpointSection:
     export: bool = True  # write <out_dir>/final in the official layout (+ processor files)
 
 
+LOG_BACKENDS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class LogSection:
-    """Metrics rows (every N steps), progress bar and TensorBoard."""
+    """Metrics rows (every N steps), the progress bar, and the logging backends the rows also go to
+    (:mod:`keye.train.metrics`; ``metrics.jsonl`` is always written).
+
+    ``backends``: any of ``tensorboard``, ``wandb``, ``mlflow`` (a list, or one comma-separated string:
+    ``log.backends=[wandb,mlflow]`` or ``log.backends=wandb``); each is an optional package, and selecting one
+    that is not installed stops the run at its start with an error naming the package. Not set: the older
+    switch ``tensorboard`` decides (TensorBoard when installed), so existing configs keep working.
+    ``project``: the W&B project and the MLflow experiment; ``run_name``: the run's name there (default: the
+    run directory's name). ``wandb_mode``: ``online`` (an account: ``wandb login``), ``offline`` (no account;
+    the run is written under ``<run>/wandb`` and ``wandb sync`` uploads it later) or ``disabled``; default:
+    ``WANDB_MODE``, else online. ``wandb_entity``: the W&B team or user (default: the account's).
+    ``mlflow_tracking_uri``: default ``MLFLOW_TRACKING_URI`` when set, else a local file store
+    ``<run>/mlruns`` (``MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <run>/mlruns`` shows it).
+    """
 
     every: int = 1
     progress: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = True  # the older switch, read only when backends is not set
+    backends: list[str] | str | None = None
+    project: str = "keye"
+    run_name: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    wandb_entity: str | None = None
+    mlflow_tracking_uri: str | None = None
+
+    def __post_init__(self) -> None:
+        from keye.errors import KeyeConfigError
+
+        if isinstance(self.backends, str):
+            self.backends = [b.strip() for b in self.backends.split(",") if b.strip()]
+        if self.backends is not None:
+            unknown = [b for b in self.backends if b not in LOG_BACKENDS]
+            if unknown:
+                raise KeyeConfigError(f"log.backends: {unknown[0]!r} is not one of {', '.join(LOG_BACKENDS)}")
+            self.backends = list(dict.fromkeys(self.backends))  # each once, in the given order
 
 
-__all__ = ["CheckpointSection", "LogSection", "LoraSection", "ModelSection", "OptimSection"]
+__all__ = ["LOG_BACKENDS", "CheckpointSection", "LogSection", "LoraSection", "ModelSection", "OptimSection"]
