@@ -125,9 +125,28 @@ def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, t
             "train_token_s": train_token_s, "train_step_s": train_step_s, "sync_s": sync_s}
 
 
+DEFAULT_MANIFEST = "data/synth/train.jsonl"
+
+
+def synth_manifest(manifest: str, into: Path, rows: int, log=print) -> str:
+    """``manifest`` when it exists; when it is the default ``data/synth/train.jsonl`` and missing (a fresh
+    clone), ``rows`` synthetic training prompts generated under ``into`` for this run: the same rows that
+    ``keye data synth --out data/synth --train N --test 8`` writes first (a sample depends only on the seed, 0,
+    and its index). Any other missing path raises SystemExit naming it."""
+    if Path(manifest).is_file():
+        return manifest
+    if manifest != DEFAULT_MANIFEST:
+        raise SystemExit(f"{manifest}: manifest file not found")
+    from keye.data.synth import generate_split
+
+    log(f"  {manifest} not found: generating {rows} synthetic prompts for this run "
+        f"(`keye data synth --out data/synth --train {rows} --test 8` keeps a copy)")
+    return str(generate_split(into / "synth", "train", rows, seed=0, workers=0, progress=False))
+
+
 def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, prompts: int = 4, group: int = 4,
                           mu: float = 3.5, sigma: float = 1.0, max_tokens: int = 160, staleness: int = 1,
-                          manifest: str = "data/synth/train.jsonl", limit: int = 64, seed: int = 0,
+                          manifest: str = DEFAULT_MANIFEST, limit: int = 64, seed: int = 0,
                           log=print) -> dict[str, list[float]]:
     """Samples/s of the asynchronous RL loop on keye-tiny, synchronous (``max_staleness=0``) and asynchronous
     (``staleness``), ``repeats`` runs each, alternating; returns ``{"sync": [...], "async": [...]}``.
@@ -136,7 +155,8 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     :class:`keye.rl.rollout.stream_worker.AnswerLengths` (``mu``, ``sigma``, ``max_tokens``; the same lengths in every
     run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs: one for the
     learner actor, one for the rollout actor, each with one torch thread; the driver only schedules and
-    scores)."""
+    scores). The prompts are the first ``limit`` rows of ``manifest``, generated when it is the default one
+    and missing (:func:`synth_manifest`)."""
     import ray
 
     from keye.recipes.rlep import train
@@ -147,10 +167,11 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     if warmup < 1 or steps <= warmup:
         raise SystemExit(f"need 1 <= warmup < steps, got warmup={warmup}, steps={steps}")
     lengths = AnswerLengths(mu, sigma, max_tokens, seed)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     out: dict[str, list[float]] = {"sync": [], "async": []}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = synth_manifest(manifest, Path(tmp), limit, log)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
             for rep in range(repeats):
                 for mode, k in (("sync", 0), ("async", staleness)):
                     cfg = load_config(RLEPConfig, None, [
@@ -169,8 +190,8 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
                     hist = json.dumps(summary["staleness"])
                     log(f"  run {rep + 1} {mode:5s}: {rate:6.2f} samples/s (staleness histogram {hist}, "
                         f"{summary['partial']} answers continued across an update)")
-    finally:
-        ray.shutdown()
+        finally:
+            ray.shutdown()
     return out
 
 
