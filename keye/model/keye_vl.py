@@ -793,7 +793,9 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         cache_dir: str | None = None,
         **kwargs: Any,
     ) -> KeyeVL:
-        """Load an official (or keye-saved) checkpoint from a local directory or a hub id.
+        """Load an official (or keye-saved) checkpoint from a local directory, a hub id, or ``"keye-tiny"`` (the
+        embedded default model, as every ``keye`` command names it; an unknown name raises
+        :class:`KeyeWeightsError` pointing at ``keye.load_tiny()`` and hub ids).
 
         Single-file or sharded safetensors (``model.safetensors.index.json``) are read tensor by tensor
         straight into the requested dtype/device (the model skeleton is built on the meta device, so
@@ -822,7 +824,11 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             raise TypeError(f"KeyeVL.from_pretrained got unsupported argument(s): {', '.join(unknown)}")
         if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
             raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them")
-        directory = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir)
+        # "keye-tiny" (the name every CLI accepts) -> the embedded checkpoint; an unknown name says what works
+        from keye.hub import resolve_pretrained
+
+        where = resolve_pretrained(pretrained_model_name_or_path, error=KeyeWeightsError)
+        directory = resolve_checkpoint(where, revision=revision, cache_dir=cache_dir)
         if config is None:
             overrides = {"attn_implementation": attn_implementation} if attn_implementation else {}
             config = KeyeVLConfig.from_json_file(directory, **overrides)

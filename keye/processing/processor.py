@@ -244,7 +244,8 @@ class KeyeProcessor:
         cls, path_or_hub_id: str | Path, variant: str | None = None, video_backend: str | None = None,
         **hub_kwargs: Any,
     ) -> KeyeProcessor:
-        """Load from a local directory or a hub id (``snapshot_download`` of the small files only).
+        """Load from a local directory, a hub id (``snapshot_download`` of the small files only) or
+        ``"keye-tiny"`` (the embedded default model; an unknown name's error points at ``keye.load_tiny()``).
 
         Reads the tokenizer with ``transformers.AutoTokenizer``, ``preprocessor_config.json`` and
         ``chat_template.json`` (or ``chat_template.jinja``; default: the official template).
@@ -258,7 +259,10 @@ class KeyeProcessor:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        d = cls._resolve_dir(path_or_hub_id)
+        # "keye-tiny" (the name every CLI accepts) -> the embedded checkpoint; an unknown name says what works
+        from keye.hub import resolve_pretrained
+
+        d = cls._resolve_dir(resolve_pretrained(path_or_hub_id))
         var = cls.detect_variant(d, variant)
         # AutoTokenizer also parses the model's config.json, whose Keye model_type transformers does not
         # know; its warnings about that are noise for a tokenizer load.
