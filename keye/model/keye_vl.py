@@ -58,9 +58,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: KeyeVLConfig) -> torc
 class KeyeOutput(ModelOutput):
     """Result of :meth:`KeyeVL.forward` (a transformers ``ModelOutput``).
 
-    logits: [B, L', vocab] (L' = L, or ``logits_to_keep`` last positions).
-    loss: mean (or summed, see ``loss_reduction``) cross entropy over target tokens, if labels given.
-    num_target_tokens: number of label tokens != -100 that entered the loss.
+    logits: [B, L', vocab] (L' = L, or ``logits_to_keep`` last positions); None with a ``logprob_request``, and
+        with a ``loss_request`` unless ``logits_to_keep`` asks for the last positions.
+    loss: mean (or summed, see ``loss_reduction``) cross entropy over target tokens, if labels (or a
+        ``loss_request``) given.
+    num_target_tokens: number of label tokens != -100 that entered the loss (a weighted ``loss_request``: the
+        weights' sum).
     rope_deltas: [B, 1] offsets for decoding positions (prefill only).
     position_ids: [3, B, L] positions used.
     cache (also readable as ``past_key_values``): the KV cache when ``use_cache`` (a :class:`KVCache`,
@@ -71,7 +74,7 @@ class KeyeOutput(ModelOutput):
 
     logits: torch.Tensor | None = None
     loss: torch.Tensor | None = None
-    num_target_tokens: int | None = None
+    num_target_tokens: int | float | None = None
     rope_deltas: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     cache: Any = None
@@ -125,15 +128,31 @@ def cache_length(cache: Cache | KVCache | None) -> int:
     return cache.length if isinstance(cache, KVCache) else cache.get_seq_length()
 
 
-def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                  reduction: str) -> tuple[torch.Tensor, int]:
-    """``(loss, target count)`` of next-token cross entropy: position t predicts ``labels[:, t + 1]``
-    (-100: no loss), in float32; with packed samples (``cu_seqlens``) no sample's last token predicts the
-    next sample's first. ``reduction``: "mean" over the targets or "sum"."""
-    shift_labels = labels[:, 1:].clone()
+def shifted_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """int [B, L - 1]: the target of each predicting position, ``labels[:, t + 1]`` (-100: no loss); in a packed
+    row (``cu_seqlens`` [n + 1]) no sample's last token predicts the next sample's first (-100 there)."""
+    shift = labels[:, 1:].clone()
     if cu_seqlens is not None:
         ends = cu_seqlens[1:-1].long() - 1  # last token of each sample but the final one
-        shift_labels[0, ends] = -100
+        shift[0, ends.to(shift.device)] = -100
+    return shift
+
+
+def _reduce_loss(total: torch.Tensor, n_target: float, reduction: str) -> torch.Tensor:
+    """A summed token loss as ``reduction`` asks: "sum" as is, "mean" over the ``n_target`` targets."""
+    if reduction == "mean":
+        return total / max(n_target, 1)
+    if reduction != "sum":
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
+    return total
+
+
+def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                  reduction: str, label_smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
+    """``(loss, target count)`` of next-token cross entropy from the full logits [B, L, V]: position t predicts
+    ``labels[:, t + 1]`` (:func:`shifted_targets`), in float32. ``reduction``: "mean" over the targets or "sum".
+    The reference the chunked loss (``loss_request``, :mod:`keye.train.loss`) is checked against."""
+    shift_labels = shifted_targets(labels, cu_seqlens)
     shift_logits = logits[:, :-1].float()
     n_target = int((shift_labels != -100).sum())
     loss = F.cross_entropy(
@@ -141,12 +160,9 @@ def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.
         shift_labels.reshape(-1).to(shift_logits.device),
         ignore_index=-100,
         reduction="sum",
+        label_smoothing=label_smoothing,
     )
-    if reduction == "mean":
-        loss = loss / max(n_target, 1)
-    elif reduction != "sum":
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
-    return loss, n_target
+    return _reduce_loss(loss, n_target, reduction), n_target
 
 
 class KeyeVL(PreTrainedModel, GenerationMixin):
@@ -400,6 +416,8 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         cache: Cache | KVCache | None = None, return_dict: bool | None = None,
         logprob_request: Any = None,
         text_token_mask: torch.Tensor | None = None,
+        loss_request: Any = None,
+        label_smoothing: float = 0.0,
     ) -> KeyeOutput:
         """One forward pass.
 
@@ -435,6 +453,11 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             text_token_mask: bool [B, L]: positions whose id is an image/video placeholder but that were
                 *sampled* as text (a rollout that emitted ``<|image_pad|>``): they get their own token
                 embedding and ordinary text positions, as during decoding.
+            loss_request: a :class:`keye.train.loss.LossRequest`: the loss computed chunk by chunk over the target
+                positions only (recomputed in backward), never the full [B, L, V] logits; ``logits`` is then None
+                (or the last ``logits_to_keep`` positions). Values and gradients equal the full path's. Inside the
+                forward for the same reason as ``logprob_request``.
+            label_smoothing: the cross entropy's label smoothing (as ``F.cross_entropy``'s), on either path.
         """
         del num_frames, return_dict
         cache = self._forward_cache(cache, past_key_values, use_cache)
@@ -470,15 +493,22 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             key_mask = None
         hidden = self.model(inputs_embeds, cos, sin, key_mask, cache, cu_seqlens, attention_override)
 
+        if logprob_request is not None and loss_request is not None:
+            raise KeyeInputError("pass either logprob_request or loss_request, not both")
         token_logp = token_entropy = logits = None
         if logprob_request is not None:
             token_logp, token_entropy = logprob_request.compute(hidden, self.lm_head)
-        else:
+        elif loss_request is None or logits_to_keep > 0:
+            # with a loss_request the full logits are exactly what must not be materialised
             logits = self.lm_head(hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:])
         loss = n_target = None
-        if labels is not None:
+        if loss_request is not None:
+            shifted = shifted_targets(labels, cu_seqlens) if labels is not None else None
+            total, n_target = loss_request.compute(hidden, self.lm_head, shifted, label_smoothing)
+            loss = _reduce_loss(total, n_target, loss_reduction)
+        elif labels is not None:
             full_logits = logits if logits is not None and logits_to_keep <= 0 else self.lm_head(hidden)
-            loss, n_target = _shifted_loss(full_logits, labels, cu_seqlens, loss_reduction)
+            loss, n_target = _shifted_loss(full_logits, labels, cu_seqlens, loss_reduction, label_smoothing)
         return KeyeOutput(
             logits=logits, loss=loss, num_target_tokens=n_target, rope_deltas=rope_deltas,
             position_ids=position_ids, cache=cache, hidden_states=hidden if output_hidden_states else None,
