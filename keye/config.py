@@ -76,6 +76,7 @@ def _split_flat(d: dict[str, Any]) -> dict[str, Any]:
         text_kwargs["mrope_section"] = tuple(int(x) for x in rope_scaling["mrope_section"])
     elif "rope_parameters" in d and "mrope_section" in (d["rope_parameters"] or {}):
         text_kwargs["mrope_section"] = tuple(int(x) for x in d["rope_parameters"]["mrope_section"])
+    _read_rope_base(d, text_kwargs)
     text = TextConfig(**text_kwargs)
 
     vd = dict(d.pop("vision_config", None) or {})
@@ -92,6 +93,40 @@ def _split_flat(d: dict[str, Any]) -> dict[str, Any]:
     for key in ("name_or_path", "_name_or_path"):
         d.pop(key, None)
     return dict(variant=variant, text=text, vision=vision, extra=d, **kwargs)
+
+
+# RoPE types the text model implements: plain rotary frequencies over 3-D positions (Qwen2-VL's file says "mrope",
+# its config class renames it "default"); a context extension by a larger base (Keye-VL-1.5: 8e6) is still these.
+_ROPE_TYPES = (None, "default", "mrope")
+
+
+def _read_rope_base(d: dict[str, Any], text_kwargs: dict[str, Any]) -> None:
+    """Take the RoPE base from the file wherever it is written, and refuse a RoPE the model does not implement.
+
+    transformers 5 writes ``rope_theta`` inside ``rope_parameters`` (older files: at the top level, read with the
+    other text keys); without this a file holding only the nested value would run at the dataclass default base,
+    silently wrong beyond short contexts. Scaled variants (linear, dynamic NTK, YaRN, ...) change the frequencies
+    in ways keye does not compute, so they raise instead of running as plain RoPE.
+    """
+    nested = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        section = d.get(key)
+        if not isinstance(section, dict):
+            continue
+        kind = section.get("rope_type", section.get("type"))
+        if kind not in _ROPE_TYPES:
+            raise KeyeConfigError(f"{key} asks for RoPE type {kind!r}; keye implements {[t for t in _ROPE_TYPES if t]}"
+                                  " (a longer context with a larger rope_theta needs no scaling type)")
+        if "rope_theta" in section:
+            nested[key] = section["rope_theta"]
+    values = {float(v) for v in nested.values()} | (
+        {float(text_kwargs["rope_theta"])} if "rope_theta" in text_kwargs else set())
+    if len(values) > 1:
+        where = ", ".join(f"{k}.rope_theta={v}" for k, v in nested.items())
+        top = f"rope_theta={text_kwargs['rope_theta']}, " if "rope_theta" in text_kwargs else ""
+        raise KeyeConfigError(f"the file gives two RoPE bases: {top}{where}")
+    if "rope_theta" not in text_kwargs and nested:
+        text_kwargs["rope_theta"] = next(iter(nested.values()))
 
 
 def _text_property(name: str) -> property:
