@@ -15,6 +15,11 @@ their gradients and AdamW stay in float32 (frozen towers stay bf16); checkpoints
 (``master.safetensors``) for exact resume, and the official export is bf16. DeepSpeed does the same through
 its own bf16 setting.
 
+Loss: with ``train.loss_chunk_tokens`` (default 512) the cross-entropy is computed inside the forward over the
+target tokens only, that many rows of ``lm_head`` at a time, recomputed in the backward (:mod:`keye.train.loss`):
+the [tokens, vocabulary] logits never exist (about 2.25 MiB per token at Qwen3's vocabulary). ``null`` takes the
+full logits, the reference with the same values and gradients. ``train.label_smoothing`` is ``F.cross_entropy``'s.
+
 Multi-answer rows (a manifest row with an ``answers`` list, see :mod:`keye.data.manifest`) are trained
 as if each answer were its own row: every answer's tokens count in the token-mean like any sample's.
 ``train.tree`` chooses how they are computed:
@@ -96,7 +101,8 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         t0 = time.time()
         mbs = [next(batches) for _ in range(cfg.data.micro_batches)]
         res = optimizer_step(mbs, wrapped, optimizer, info, amp=tm.amp, tree_mode=cfg.train.tree,
-                             pad_token_id=loader.pad_token_id, grad_clip=cfg.train.grad_clip, step=state["step"] + 1)
+                             pad_token_id=loader.pad_token_id, grad_clip=cfg.train.grad_clip, step=state["step"] + 1,
+                             loss_chunk_tokens=cfg.train.loss_chunk_tokens, label_smoothing=cfg.train.label_smoothing)
         scheduler.step()
         tree_micro_batches += res.tree_micro_batches
         state["step"] += 1

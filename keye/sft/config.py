@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keye.errors import KeyeConfigError
+from keye.train.loss import DEFAULT_LOSS_CHUNK_TOKENS
 from keye.train.sections import CheckpointSection, LogSection, LoraSection, ModelSection, OptimSection
 
 
@@ -27,7 +29,8 @@ class DataSection:
 
 @dataclass
 class TrainSection(OptimSection):
-    """The shared optimisation fields plus the SFT run length, the parallel strategy and the multi-answer layout."""
+    """The shared optimisation fields plus the SFT run length, the parallel strategy, the multi-answer layout and
+    how the loss is computed (chunked over the vocabulary head, label smoothing)."""
 
     epochs: int = 1
     max_steps: int | None = None
@@ -35,10 +38,18 @@ class TrainSection(OptimSection):
     # Shared-prefix batches for multi-answer rows (keye.sft.trees). YAML 1.1 reads a bare on/off as a boolean,
     # so true/false are accepted too and normalised to "on"/"off".
     tree: Literal["auto", "on", "off"] | bool = "auto"
+    # The loss's target rows go through lm_head this many at a time inside the forward, recomputed in backward
+    # (keye.train.loss): never the full [tokens, vocabulary] logits. null: the full-logits path (the reference).
+    loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+    label_smoothing: float = 0.0  # as F.cross_entropy's; 0 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, bool):
             self.tree = "on" if self.tree else "off"
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise KeyeConfigError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise KeyeConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
 
 
 @dataclass

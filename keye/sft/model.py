@@ -76,6 +76,12 @@ def wrap_for_training(cfg: SFTConfig, model: torch.nn.Module, info: kdist.DistIn
         model.to(info.device)
         optimizer = build_optimizer(model, cfg.train)
         wrapped = kdist.wrap_model(model, cfg.train.strategy, info, optimizer=optimizer, deepspeed_config=ds_cfg)
+        if cfg.train.strategy == "zero3" and cfg.train.loss_chunk_tokens is not None:
+            import deepspeed
+
+            # the chunked loss reads lm_head.weight inside KeyeVL.forward, not through lm_head's own forward, so
+            # ZeRO-3 must gather it with the root module's
+            deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
     return wrapped, optimizer, build_scheduler(optimizer, cfg.train, total_steps)
 
 

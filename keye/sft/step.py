@@ -21,6 +21,7 @@ from keye.sft.inputs import model_inputs
 from keye.sft.trees import target_tokens, tree_loss, trees_of, unshared_batch, use_tree_path
 from keye.train import dist as kdist
 from keye.train.dist import deepspeed_settings
+from keye.train.loss import DEFAULT_LOSS_CHUNK_TOKENS, LossRequest
 
 
 def deepspeed_config(cfg: SFTConfig, world_size: int, device_type: str,
@@ -54,8 +55,13 @@ class StepResult:
 
 def optimizer_step(mbs: Sequence[dict[str, Any]], wrapped: kdist.Wrapped, optimizer: torch.optim.Optimizer,
                    info: kdist.DistInfo, *, amp: bool, tree_mode: str, pad_token_id: int, grad_clip: float,
-                   step: int) -> StepResult:
+                   step: int, loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
+                   label_smoothing: float = 0.0) -> StepResult:
     """Forward and backward every micro-batch of ``mbs`` (this rank's), then one optimizer step (collective).
+
+    The loss is computed inside the forward over the target tokens only, ``loss_chunk_tokens`` rows of the
+    vocabulary head at a time (:class:`keye.train.loss.LossRequest`; None: from the full logits, the reference),
+    with ``label_smoothing``; both layouts (packed / padded rows, shared-prefix trees) take the same settings.
 
     DDP, FSDP and ZeRO average gradients over ranks; each micro-batch's summed loss is multiplied by
     ``world / global target tokens`` to undo that, so the gradient is sum(token losses) / global target tokens.
@@ -72,16 +78,19 @@ def optimizer_step(mbs: Sequence[dict[str, Any]], wrapped: kdist.Wrapped, optimi
     use_ds = wrapped.is_deepspeed
     ds_steps_before = wrapped.engine.global_steps if use_ds else 0
     loss_sum, local_tokens, trees = 0.0, 0, 0
+    loss_kwargs = {"loss_request": LossRequest(loss_chunk_tokens)} if loss_chunk_tokens is not None else {}
     for i, mb in enumerate(mbs):
         with wrapped.no_sync(i == len(mbs) - 1):
             with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=amp):
                 if use_tree_path(mb, tree_mode):
-                    mb_loss = tree_loss(wrapped.module, mb, info.device)
+                    mb_loss = tree_loss(wrapped.module, mb, info.device, chunk_tokens=loss_chunk_tokens,
+                                        label_smoothing=label_smoothing)
                     trees += 1
                     local_tokens += int(mb["num_tokens"])
                 else:
                     batch = unshared_batch(mb, pad_token_id) if trees_of(mb) else mb
-                    mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum").loss
+                    mb_loss = wrapped.module(**model_inputs(batch, info.device), loss_reduction="sum",
+                                             label_smoothing=label_smoothing, **loss_kwargs).loss
                     local_tokens += int(batch["num_tokens"])
             wrapped.backward(mb_loss * scale)
             if use_ds:

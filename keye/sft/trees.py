@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from keye.errors import KeyeInputError
 from keye.sft.inputs import IGNORE_INDEX, VISION_KEYS
+from keye.train.loss import DEFAULT_LOSS_CHUNK_TOKENS, LossRequest
 
 
 @contextmanager
@@ -202,7 +203,8 @@ def unshared_batch(mb: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
     return batch
 
 
-def tree_loss(module: Any, mb: dict[str, Any], device: torch.device) -> torch.Tensor:
+def tree_loss(module: Any, mb: dict[str, Any], device: torch.device, *,
+              chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS, label_smoothing: float = 0.0) -> torch.Tensor:
     """Summed next-token cross-entropy of every branch's target tokens, from ONE forest forward.
 
     The micro-batch's per-sample trees are joined by :func:`keye.train.tree.concat_trees` (no attention
@@ -215,6 +217,9 @@ def tree_loss(module: Any, mb: dict[str, Any], device: torch.device) -> torch.Te
     Args:
         module: what to call for the forward (the model, or its DDP / FSDP / DeepSpeed wrapper).
         mb: a loader micro-batch with ``tree`` entries (see :class:`TreeSampleProcessor`).
+        chunk_tokens: the distinct targets' predicting rows go through the head this many at a time, inside the
+            forward (:class:`keye.train.loss.LossRequest`, no full logits); None: the full-logits reference.
+        label_smoothing: as ``F.cross_entropy``'s (the packed path's ``train.label_smoothing``).
     Returns:
         A float32 scalar with gradient.
     """
@@ -224,11 +229,17 @@ def tree_loss(module: Any, mb: dict[str, Any], device: torch.device) -> torch.Te
     forest = concat_trees(trees_of(mb))
     forest.vision = VisionInputs(**{k: mb.get(k) for k in VISION_KEYS})  # pixels, in the same sample order
     forest = forest.to(device)
-    # Full logits (logits_to_keep=0) as the packed path computes them: the LM head stays inside the
-    # wrapped forward, which sharded and data-parallel wrappers require.
-    out = module(forest.input_ids, position_ids=forest.position_ids, attention_override=TreeAttention(forest),
-                 **forest.vision.as_kwargs())
     targets, weight = torch.unique(forest.target_index[forest.loss_mask], return_counts=True)
-    logits = out.logits[0].index_select(0, forest.parent[targets]).float()
-    token_loss = F.cross_entropy(logits, forest.input_ids[0, targets], reduction="none")
+    rows, ids = forest.parent[targets], forest.input_ids[0, targets]
+    kwargs = dict(position_ids=forest.position_ids, attention_override=TreeAttention(forest), **forest.vision.as_kwargs())
+    if chunk_tokens is not None:
+        # The head stays inside the wrapped forward (sharded and data-parallel wrappers require it), and only the
+        # distinct targets' predicting rows go through it (the forest is one row, so a row is its flat index).
+        request = LossRequest(chunk_tokens, index=rows, targets=ids, weights=weight)
+        return module(forest.input_ids, loss_request=request, label_smoothing=label_smoothing, loss_reduction="sum",
+                      **kwargs).loss
+    # Full logits (logits_to_keep=0) as the packed full path computes them: the reference.
+    out = module(forest.input_ids, **kwargs)
+    logits = out.logits[0].index_select(0, rows).float()
+    token_loss = F.cross_entropy(logits, ids, reduction="none", label_smoothing=label_smoothing)
     return (token_loss * weight.to(token_loss.dtype)).sum()
