@@ -59,8 +59,8 @@ from typing import Any
 
 from keye.hub import resolve_model_path
 from keye.recipes import common
-from keye.rl.config import RLEPConfig, policy_loss_kwargs, replay_m, tree_enabled, validate
-from keye.rl.loop.batcher import BatchSource, RolloutBatcher, prepare_update
+from keye.rl.config import RLEPConfig, policy_loss_kwargs, replay_m, streaming_update, tree_enabled, validate
+from keye.rl.loop.batcher import BatchSource, RolloutBatcher, StreamingUpdate, prepare_update
 from keye.rl.loop.components import Components, build_components
 from keye.rl.loop.evaluate import Evaluator
 from keye.rl.loop.metrics import format_summary, progress_figures, step_row
@@ -101,6 +101,7 @@ class _Run:
     loss_kwargs: dict[str, Any]
     use_tree: bool
     pad_id: int
+    streaming: bool  # the streaming update (rl.update; asynchronous mode only)
     t_start: float = 0.0  # when this invocation's training began (after the step-0 evaluation)
 
     def save(self, step: int) -> None:
@@ -180,7 +181,7 @@ def _setup(cfg: RLEPConfig, info: kdist.DistInfo, out_dir: Path, processor: Any,
     runlog = RunLog(cfg.log, out_dir, info.is_main, total=cfg.train.steps, start_step=state["step"], desc=mode,
                     postfix=progress_figures)
     return _Run(cfg, info, out_dir, processor, parts, source, pool, prompts, state, ckpts, evaluator, runlog,
-                policy_loss_kwargs(cfg), tree_enabled(cfg), int(processor.pad_token_id))
+                policy_loss_kwargs(cfg), tree_enabled(cfg), int(processor.pad_token_id), streaming_update(cfg))
 
 
 def _loop(run: _Run, stop_after: int | None, on_step: Callable[[int, Any], None] | None) -> None:
@@ -198,12 +199,17 @@ def _loop(run: _Run, stop_after: int | None, on_step: Callable[[int, Any], None]
         step = state["step"] + 1
         seed = step_seed(cfg.train.seed, step, run.info.rank)
         t0 = time.time()
-        batch = source.collect(step, seed)  # sampled (or streamed) + replayed, scored, filtered groups
-        prepare_update(batch, learner, cfg.algorithm, pad_id=run.pad_id, use_tree=run.use_tree)
-        t = time.time()
-        update = learner.update(batch.samples, n_groups=batch.n_groups, seed=seed, pad_id=run.pad_id,
-                                use_tree=run.use_tree, loss_kwargs=run.loss_kwargs)
-        batch.timing["update"] = time.time() - t
+        if run.streaming:  # each group's gradient as soon as it is complete; one step when the batch is whole
+            stream = StreamingUpdate(learner, pad_id=run.pad_id, use_tree=run.use_tree, loss_kwargs=run.loss_kwargs)
+            batch = source.collect(step, seed, on_group=stream.add)
+            update = stream.finish(batch)
+        else:
+            batch = source.collect(step, seed)  # sampled (or streamed) + replayed, scored, filtered groups
+            prepare_update(batch, learner, cfg.algorithm, pad_id=run.pad_id, use_tree=run.use_tree)
+            t = time.time()
+            update = learner.update(batch.samples, n_groups=batch.n_groups, seed=seed, pad_id=run.pad_id,
+                                    use_tree=run.use_tree, loss_kwargs=run.loss_kwargs)
+            batch.timing["update"] = time.time() - t
         t = time.time()
         source.push_weights(step, batch)  # the next rollouts sample the updated policy
         batch.timing["sync"] = time.time() - t
@@ -240,6 +246,7 @@ def _finish(run: _Run) -> dict[str, Any]:
         "tokens": state["tokens"], "seconds": time.time() - run.t_start, "tree": run.use_tree,
         "replay_M": replay_m(cfg), "pool": run.pool.stats(), "frozen_towers": learner.frozen,
         "world_size": info.world_size, "strategy": learner.strategy, "prompts": len(run.prompts),
+        "update": "streaming" if run.streaming else "barrier",
         # identical on every rank when the replicas stayed in sync (data-parallel sanity check)
         "param_checksum": learner.checksum(),
     }

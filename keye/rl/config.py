@@ -175,6 +175,10 @@ class RLSection:
     engine: Literal["process", "ray"] = "process"
     mode: Literal["sync", "async"] = "sync"  # sync: the on-policy loop; async needs rl.engine=ray
     max_staleness: int = 1  # async: weight versions an answer may lag the learner
+    # async: streaming (each group's gradient is accumulated as soon as it is complete and scored, the optimizer
+    # steps when the batch is whole), barrier (the update starts when the whole batch is in), auto (streaming
+    # when the update is one optimizer step: algorithm.ppo_epochs = mini_batches = 1); sync mode is barrier
+    update: Literal["auto", "streaming", "barrier"] = "auto"
     ray: RaySection = field(default_factory=RaySection)
 
 
@@ -237,6 +241,14 @@ def validate(cfg: RLEPConfig, world_size: int = 1) -> None:
         raise KeyeConfigError(f"algorithm.tis_cap must be >= 1 (or null to disable), got {a.tis_cap}")
     if r.sync_bytes < 1:
         raise KeyeConfigError(f"rollout.sync_bytes must be >= 1, got {r.sync_bytes}")
+    if cfg.rl.update == "streaming":
+        if cfg.rl.mode != "async":
+            raise KeyeConfigError("rl.update=streaming overlaps the update with generation: it needs rl.mode=async (the "
+                                  "synchronous loop updates on whole batches)")
+        if a.ppo_epochs != 1 or a.mini_batches != 1:
+            raise KeyeConfigError(f"rl.update=streaming makes one optimizer step per batch: it needs "
+                                  f"algorithm.ppo_epochs=1 and algorithm.mini_batches=1 (got {a.ppo_epochs}, "
+                                  f"{a.mini_batches}); use rl.update=barrier or auto")
 
 
 def _validate_autothink(cfg: RLEPConfig) -> None:
@@ -277,6 +289,13 @@ def policy_loss_kwargs(cfg: RLEPConfig) -> dict[str, Any]:
                 loss_agg=a.loss_agg, loss_scale_factor=float(factor), kl_coef=a.kl_coef,
                 kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
                 **({"tis_cap": tis_cap} if tis_cap is not None else {}))
+
+
+def streaming_update(cfg: RLEPConfig) -> bool:
+    """Whether the update streams (``rl.update``; ``auto``: in async mode when the update is one optimizer step)."""
+    if cfg.rl.update != "auto":
+        return cfg.rl.update == "streaming"
+    return cfg.rl.mode == "async" and cfg.algorithm.ppo_epochs == 1 and cfg.algorithm.mini_batches == 1
 
 
 def tree_enabled(cfg: RLEPConfig) -> bool:

@@ -76,9 +76,10 @@ def lr_lambda(cfg: OptimSection, total_steps: int):
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     """AdamW over ``model``'s trainable parameters (:func:`param_groups`: one group per tower and decay kind)
-    with ``cfg``'s learning rate, betas and weight decay. Build it after a sharding wrapper that replaces the
+    with ``cfg``'s learning rate, betas, epsilon and weight decay. Build it after a sharding wrapper that replaces the
     parameters (FSDP2's DTensors), before one that takes the optimizer (DeepSpeed)."""
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimSection,

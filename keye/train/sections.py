@@ -51,6 +51,7 @@ class OptimSection:
     lr_llm: float | None = None
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8  # AdamW's epsilon (larger values damp the update of gradient elements near zero)
     warmup_steps: int = 0
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1

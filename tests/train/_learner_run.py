@@ -56,21 +56,27 @@ def run(out_dir: Path, ckpt: Path, manifest: Path, pool: Path, name: str, overri
 
     info = kdist.init_distributed("cpu")
     torch.manual_seed(0)
+    # drop_group=K: group K was filtered out (dynamic sampling): it is in neither the batch nor its counts
+    drop = {int(o.split("=", 1)[1]) for o in overrides if o.startswith("drop_group=")}
+    overrides = [o for o in overrides if not o.startswith("drop_group=")]
     cfg = load_config(RLEPConfig, None, [f"model.path={ckpt}", f"checkpoint.out_dir={out_dir}", *BASE, *overrides])
     use_tree = bool(cfg.tree.enabled)
     learner = Learner.from_config(cfg, info, model_path=ckpt)
     samples, pad_id = build_samples(ckpt, manifest, pool)
-    mine = GROUPS_OF_RANK[info.world_size][info.rank]
+    mine = [g for g in GROUPS_OF_RANK[info.world_size][info.rank] if g not in drop]
     local = [s for s in samples if s.group in mine]
     stats = []
     for step in range(steps):
         for s in local:
             s.old_logp = s.ref_logp = s.advantage = None
-        learner.compute_logprobs(local, pad_id=pad_id, use_tree=use_tree)
-        learner.compute_logprobs(local, target="ref_logp", pad_id=pad_id, use_tree=use_tree)
-        assign_advantages(local)
-        res = learner.update(local, n_groups=len(mine), seed=100 + step, pad_id=pad_id, use_tree=use_tree,
-                             loss_kwargs=policy_loss_kwargs(cfg))
+        if cfg.rl.update == "streaming":
+            res = _streaming_step(learner, local, pad_id, use_tree, policy_loss_kwargs(cfg))
+        else:
+            learner.compute_logprobs(local, pad_id=pad_id, use_tree=use_tree)
+            learner.compute_logprobs(local, target="ref_logp", pad_id=pad_id, use_tree=use_tree)
+            assign_advantages(local)
+            res = learner.update(local, n_groups=len(mine), seed=100 + step, pad_id=pad_id, use_tree=use_tree,
+                                 loss_kwargs=policy_loss_kwargs(cfg))
         stats.append({"loss": kdist.all_reduce_sum(sum(st["loss"] for st in res.stats), info.device),
                       "tokens": [st["tokens"] for st in res.stats], "skipped": res.skipped})
     # the rollout side's view: a LocalRollout over a fresh copy of the start checkpoint receives the shards
@@ -101,6 +107,28 @@ def run(out_dir: Path, ckpt: Path, manifest: Path, pool: Path, name: str, overri
                                                           "strategy": learner.strategy,
                                                           "ref_placement": learner.ref_placement}))
     kdist.barrier()
+
+
+def _streaming_step(learner, local, pad_id: int, use_tree: bool, loss_kwargs: dict):
+    """The streaming update of the same samples: each group in turn gets its log-probs, advantages and gradient
+    (as it would when it completes), one optimizer step at the end. Every rank takes part in every part
+    (collectives), one group of its own per part while it has any."""
+    from keye.rl import assign_advantages
+    from keye.train import dist as kdist
+
+    groups: dict[int, list] = {}
+    for s in local:
+        groups.setdefault(s.group, []).append(s)
+    own = list(groups.values())
+    rounds = int(kdist.all_max(len(own), learner.device))
+    parts = []
+    for i in range(rounds):
+        part = own[i] if i < len(own) else []
+        learner.compute_logprobs(part, pad_id=pad_id, use_tree=use_tree)
+        learner.compute_logprobs(part, target="ref_logp", pad_id=pad_id, use_tree=use_tree)
+        assign_advantages(part)
+        parts.append(learner.accumulate_part(part, pad_id=pad_id, use_tree=use_tree, loss_kwargs=loss_kwargs))
+    return learner.finish_update(parts, loss_kwargs=loss_kwargs)
 
 
 if __name__ == "__main__":

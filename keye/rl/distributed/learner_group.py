@@ -171,6 +171,17 @@ class LearnerActor:
         self.learner.compute_logprobs(samples, target=target, pad_id=pad_id, use_tree=use_tree)
         return [getattr(s, target) for s in samples]
 
+    def stream_part(self, samples: list[RolloutSample], pad_id: int, use_tree: bool,
+                    loss_kwargs: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
+        """:meth:`Learner.stream_part` on this rank's share of a part; returns each sample's (old_logp, ref_logp,
+        advantage) for the driver's metrics."""
+        self.learner.stream_part(samples, pad_id=pad_id, use_tree=use_tree, loss_kwargs=loss_kwargs)
+        return [(s.old_logp, s.ref_logp, s.advantage) for s in samples]
+
+    def finish_stream(self, loss_kwargs: dict[str, Any]) -> UpdateResult:
+        """:meth:`Learner.finish_stream` (collective)."""
+        return self.learner.finish_stream(loss_kwargs=loss_kwargs)
+
     def update(self, samples: list[RolloutSample], plan: list[list[int]], pad_id: int, use_tree: bool,
                loss_kwargs: dict[str, Any]) -> UpdateResult:
         """The step's optimizer updates on this rank's share: for each planned mini-batch (indices into
@@ -269,6 +280,7 @@ class RemoteLearner:
         self.devices = [x["device"] for x in infos]
         self.model = RemoteModel("policy", self.strategy, len(self.actors))
         self.ref_model = RemoteModel("reference", self.strategy, len(self.actors)) if info["has_ref"] else None
+        self._stream: list[tuple[list[RolloutSample], list[list[int]], list[Any]]] = []  # parts sent, not collected
         log.info("learner group: %d rank(s), strategy %s, devices %s", len(self.actors), self.strategy, self.devices)
 
     def compute_logprobs(self, samples: Sequence[RolloutSample], *, target: str = "old_logp", pad_id: int,
@@ -301,6 +313,32 @@ class RemoteLearner:
             local = [[pos[i] for i in mb if i in pos] for mb in plan]
             jobs.append(actor.update.remote([samples[i] for i in idx], local, pad_id, use_tree, loss_kwargs))
         return merge_updates(ray.get(jobs))
+
+    @property
+    def ranks(self) -> int:
+        """How many learner ranks (a streaming part holds up to this many groups, one per rank)."""
+        return len(self.actors)
+
+    def stream_part(self, samples: Sequence[RolloutSample], *, pad_id: int, use_tree: bool,
+                    loss_kwargs: dict[str, Any]) -> None:
+        """Send one part of a streaming update to the ranks (whole groups split over them, :func:`assign_groups`)
+        without waiting: each rank computes its share's log-probs, advantages and gradient while the driver goes
+        on streaming; :meth:`finish_stream` collects them. Calls reach each actor in order, so every rank runs
+        the same sequence of collectives."""
+        shares = assign_groups(samples, len(self.actors))
+        refs = [a.stream_part.remote([samples[i] for i in idx], pad_id, use_tree, loss_kwargs)
+                for a, idx in zip(self.actors, shares)]
+        self._stream.append((list(samples), shares, refs))
+
+    def finish_stream(self, *, loss_kwargs: dict[str, Any]) -> UpdateResult:
+        """Wait for every part sent since the last call, write the ranks' old / reference log-probs and advantages
+        into the driver's samples, and step every rank once; returns the merged result (:func:`merge_updates`)."""
+        pending, self._stream = self._stream, []
+        for samples, shares, refs in pending:
+            for idx, values in zip(shares, ray.get(refs)):
+                for i, (old, ref, adv) in zip(idx, values):
+                    samples[i].old_logp, samples[i].ref_logp, samples[i].advantage = old, ref, adv
+        return merge_updates(ray.get([a.finish_stream.remote(loss_kwargs) for a in self.actors]))
 
     def export_refs(self, max_bytes: int) -> list[Any]:
         """The current weights as object refs of shards ``{name: tensor}`` (each ``ray.put`` once by rank 0,

@@ -40,6 +40,7 @@ import torch
 from keye.errors import KeyeConfigError
 from keye.rl.algorithms.losses import policy_loss
 from keye.rl.algorithms.sampling import group_minibatches
+from keye.rl.algorithms.update import assign_advantages
 from keye.rl.rollout.samples import RolloutSample, collate_samples
 from keye.rl.rollout.settings import SamplingSettings
 from keye.train import dist as kdist
@@ -247,6 +248,7 @@ class Learner:
         self.policy = self.wrapped.module
         self.scheduler = build_scheduler(self.optimizer, train, train.steps)
         self.trainable = [p for p in policy.parameters() if p.requires_grad]
+        self._stream_parts: list[dict[str, Any]] = []  # records of the streaming update in progress
 
     @classmethod
     def from_config(cls, cfg: Any, info: kdist.DistInfo, *, model_path: str | Path) -> Learner:
@@ -450,24 +452,41 @@ class Learner:
         over all ranks and multiplied by the world size (every layout averages gradients over ranks), so
         the accumulated gradient is the one-process gradient of the union of the ranks' samples.
         """
-        a = self.algorithm
-        temperature = self.sampling.temperature
-        use_ref = bool(loss_kwargs.get("kl_coef", 0.0))
-        world = self.info.world_size
-        local_tok = loss_token_count(chosen, self.placeholders)
-        mbs = plan_micro_batches(chosen, use_tree=use_tree, placeholders=self.placeholders,
-                                 groups_per_micro_batch=self.tree_cfg.groups_per_micro_batch,
-                                 micro_batch_size=a.micro_batch_size)
-        counts = kdist.reduce_sums({"tok": float(local_tok), "seq": float(sum(
-            1 for mb in mbs for s in mb.samples if loss_token_count([s], self.placeholders) > 0)),
-            "vision": float(any(mb.has_vision for mb in mbs))}, self.device)
+        mbs = self._plan(chosen, use_tree)
+        local_tok, local_seq, vision = self._counts(chosen, mbs)
+        counts = kdist.reduce_sums({"tok": local_tok, "seq": local_seq, "vision": vision}, self.device)
         n_tok, n_seq = counts["tok"], counts["seq"]
         if not n_tok:
             # no rank has a loss token: an AdamW step on zero gradients would still move the weights
             # (momentum, weight decay) and advance its step count; every rank skips together
             return None
-        totals: dict[str, float] = {}
-        acc = {"w": 0.0, "loss": 0.0}
+        part = self._accumulate(mbs, pad_id=pad_id, loss_kwargs=loss_kwargs, n_tok=max(n_tok, 1.0),
+                                n_seq=max(n_seq, 1.0))
+        st = _part_stats(part)
+        st.update(loss=part["loss"], tokens=n_tok, sequences=n_seq, local_tokens=local_tok,
+                  _vision=bool(counts["vision"]))
+        return st
+
+    def _plan(self, chosen: Sequence[RolloutSample], use_tree: bool) -> list[MicroBatch]:
+        return plan_micro_batches(chosen, use_tree=use_tree, placeholders=self.placeholders,
+                                  groups_per_micro_batch=self.tree_cfg.groups_per_micro_batch,
+                                  micro_batch_size=self.algorithm.micro_batch_size)
+
+    def _counts(self, chosen: Sequence[RolloutSample], mbs: list[MicroBatch]) -> tuple[float, float, float]:
+        """This rank's loss tokens, sequences with a loss token, and whether any micro-batch has pixels."""
+        seqs = sum(1 for mb in mbs for s in mb.samples if loss_token_count([s], self.placeholders) > 0)
+        return (float(loss_token_count(chosen, self.placeholders)), float(seqs),
+                float(any(mb.has_vision for mb in mbs)))
+
+    def _accumulate(self, mbs: list[MicroBatch], *, pad_id: int, loss_kwargs: dict[str, Any], n_tok: float,
+                    n_seq: float) -> dict[str, Any]:
+        """Forward/backward ``mbs`` with every micro-batch loss normalised by ``n_tok`` / ``n_seq`` and multiplied
+        by the world size; returns the token-weighted statistic sums, their weight and the summed loss."""
+        temperature = self.sampling.temperature
+        use_ref = bool(loss_kwargs.get("kl_coef", 0.0))
+        world = self.info.world_size
+        part: dict[str, Any] = {"totals": {}, "w": 0.0, "loss": 0.0}
+        totals = part["totals"]
 
         def one(mb: MicroBatch | None) -> None:
             if mb is None:
@@ -481,13 +500,13 @@ class Learner:
             if rollout is not None and loss_kwargs.get("tis_cap") is not None:
                 extra["rollout_logp"] = rollout.to(dev)
             loss, st = policy_loss(logp, old.to(dev), adv.to(dev), mask, ref_logp=ref.to(dev) if use_ref else None,
-                                   entropy=ent, global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
+                                   entropy=ent, global_token_count=n_tok, global_seq_count=n_seq,
                                    **loss_kwargs, **extra)
             # DDP / FSDP / ZeRO average gradients over ranks: multiply back to the global sum
             self._backward(loss * world)
-            acc["loss"] += float(loss.detach())
+            part["loss"] += float(loss.detach())
             w = st["num_tokens"]
-            acc["w"] += w
+            part["w"] += w
             for k, v in st.items():
                 if k not in ("num_tokens", "pg_loss", "ratio_max", "ratio_min"):
                     totals[k] = totals.get(k, 0.0) + v * w
@@ -495,10 +514,99 @@ class Learner:
             totals["ratio_min"] = min(totals.get("ratio_min", float("inf")), st["ratio_min"])
 
         self._run(mbs, one)
-        st = {k: (v / acc["w"] if acc["w"] and k not in ("ratio_max", "ratio_min") else v) for k, v in totals.items()}
-        st.update(loss=acc["loss"], tokens=n_tok, sequences=n_seq, local_tokens=float(local_tok),
-                  _vision=bool(counts["vision"]))
-        return st
+        return part
+
+    # ------------------------------------------------------------------------------ streaming update
+    def accumulate_part(self, chosen: Sequence[RolloutSample], *, pad_id: int, use_tree: bool,
+                        loss_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """One part of a streaming update (``rl.update: streaming``): forward/backward this rank's share of the
+        groups that have completed (``advantage`` and ``old_logp`` set), each micro-batch loss in sum form
+        (token and sequence normaliser 1), while later groups are still being generated. Returns the part's
+        record for :meth:`finish_update`. Collective (sharded ranks pad with dummy forwards).
+
+        The normaliser of the whole batch is known only when its last group is in; :meth:`finish_update` then
+        divides the accumulated gradient by it. The gradient is linear in that factor, so the update equals
+        :meth:`update` with one epoch and one mini-batch over the same samples (up to float rounding)."""
+        mbs = self._plan(chosen, use_tree)
+        tok, seq, vision = self._counts(chosen, mbs)
+        part = self._accumulate(mbs, pad_id=pad_id, loss_kwargs=loss_kwargs, n_tok=1.0, n_seq=1.0)
+        part.update(tok=tok, seq=seq, vision=vision)
+        return part
+
+    def finish_update(self, parts: Sequence[dict[str, Any]], *, loss_kwargs: dict[str, Any]) -> UpdateResult:
+        """Step once for a streaming update whose groups went through :meth:`accumulate_part` (``parts``: this
+        rank's records): the gradient is divided by the batch's loss-token count over all ranks
+        (``token-mean``; the sequence count for the ``seq-mean-*`` aggregations), then clipped and applied; a
+        batch without any loss token on any rank is skipped (no AdamW step), as :meth:`update` skips it; then
+        one scheduler step. Collective."""
+        local_tok = sum(p["tok"] for p in parts)
+        counts = kdist.reduce_sums({"tok": local_tok, "seq": sum(p["seq"] for p in parts),
+                                    "vision": float(any(p["vision"] for p in parts))}, self.device)
+        n_tok, n_seq = counts["tok"], counts["seq"]
+        stats, norms, skipped = [], [], 0
+        if n_tok:
+            token_mean = loss_kwargs.get("loss_agg", "token-mean") == "token-mean"
+            scale = 1.0 / max(n_tok if token_mean else n_seq, 1.0)
+            self._scale_gradients(scale)
+            norms.append(self._step(no_vision=not counts["vision"]))
+            merged: dict[str, Any] = {"totals": {}, "w": 0.0, "loss": 0.0}
+            for p in parts:
+                merged["w"] += p["w"]
+                merged["loss"] += p["loss"] * scale
+                for k, v in p["totals"].items():
+                    if k == "ratio_max":
+                        merged["totals"][k] = max(merged["totals"].get(k, float("-inf")), v)
+                    elif k == "ratio_min":
+                        merged["totals"][k] = min(merged["totals"].get(k, float("inf")), v)
+                    else:
+                        merged["totals"][k] = merged["totals"].get(k, 0.0) + v
+            st = _part_stats(merged)
+            st.update(loss=merged["loss"], tokens=n_tok, sequences=n_seq, local_tokens=local_tok)
+            stats.append(st)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.wrapped.is_deepspeed:
+                self.wrapped.engine.zero_grad()
+            skipped = 1
+        lr = self.scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.scheduler.step()
+        return UpdateResult(stats, norms, skipped, lr)
+
+    def stream_part(self, samples: Sequence[RolloutSample], *, pad_id: int, use_tree: bool,
+                    loss_kwargs: dict[str, Any]) -> None:
+        """One part of a streaming update from start to gradient: the groups' old log-probs (the proximal policy:
+        these weights, unchanged until :meth:`finish_stream`), reference log-probs with a reference model, their
+        group advantages (``algorithm``'s settings) and :meth:`accumulate_part`; the record is kept for
+        :meth:`finish_stream`. Collective."""
+        self.compute_logprobs(samples, pad_id=pad_id, use_tree=use_tree)
+        if self.ref_model is not None:
+            self.compute_logprobs(samples, target="ref_logp", pad_id=pad_id, use_tree=use_tree)
+        if samples:
+            a = self.algorithm
+            assign_advantages(samples, std=a.std, eps=a.eps, difficulty=a.difficulty, kl_reward_coef=a.kl_reward_coef)
+        self._stream_parts.append(self.accumulate_part(samples, pad_id=pad_id, use_tree=use_tree,
+                                                       loss_kwargs=loss_kwargs))
+
+    def finish_stream(self, *, loss_kwargs: dict[str, Any]) -> UpdateResult:
+        """:meth:`finish_update` over the parts :meth:`stream_part` kept since the last one. Collective."""
+        parts, self._stream_parts = self._stream_parts, []
+        return self.finish_update(parts, loss_kwargs=loss_kwargs)
+
+    def _scale_gradients(self, scale: float) -> None:
+        """Multiply every accumulated trainable gradient by ``scale`` (ZeRO-3: this rank's partitions)."""
+        if self.wrapped.is_deepspeed:
+            from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+            for p in self.trainable:
+                g = safe_get_local_grad(p)
+                if g is not None:
+                    safe_set_local_grad(p, g * scale)
+            return
+        for p in self.trainable:
+            if p.grad is not None:
+                p.grad.mul_(scale)
 
     def _step(self, *, no_vision: bool) -> float:
         """Reduce (replicated), clip and apply the accumulated gradients; returns the gradient norm."""
@@ -572,6 +680,12 @@ class Learner:
         for shard in self.export_weights():
             total += float(sum(t.double().sum() for t in shard.values()))
         return total
+
+
+def _part_stats(part: dict[str, Any]) -> dict[str, float]:
+    """Token-weighted means of a part's statistic sums (the ratio extremes as they are)."""
+    w = part["w"]
+    return {k: (v / w if w and k not in ("ratio_max", "ratio_min") else v) for k, v in part["totals"].items()}
 
 
 def _targets(mb: MicroBatch, width: int, use_ref: bool, batch: dict[str, torch.Tensor] | None):

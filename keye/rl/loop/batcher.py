@@ -242,3 +242,43 @@ def prepare_update(batch: StepBatch, learner: Any, algorithm: Any, *, pad_id: in
     batch.timing["old_logprob"] = time.time() - t
     if batch.samples:
         assign_advantages(batch.samples, std=a.std, eps=a.eps, difficulty=a.difficulty, kl_reward_coef=a.kl_reward_coef)
+
+
+class StreamingUpdate:
+    """The learner side of a streaming update (``rl.update: streaming``, asynchronous mode): the batch source hands
+    each kept group over as soon as it is complete and scored (:meth:`add`); every ``learner.ranks`` groups (one
+    per learner rank) go to the learner as one part - old and reference log-probs with the weights about to be
+    updated, group advantages, the part's gradient - while later groups are still being generated; :meth:`finish`
+    steps once when the batch is whole. The result equals the barrier update (:func:`prepare_update` then
+    ``learner.update`` with one epoch and one mini-batch) on the same groups.
+    """
+
+    def __init__(self, learner: Any, *, pad_id: int, use_tree: bool, loss_kwargs: dict[str, Any]):
+        self.learner, self.pad_id, self.use_tree, self.loss_kwargs = learner, pad_id, use_tree, loss_kwargs
+        self.per_part = max(1, int(getattr(learner, "ranks", 1)))
+        self.pending: list[list[RolloutSample]] = []
+        self.seconds = 0.0  # driver time spent handing parts over (and in the learner, when it is in process)
+
+    def add(self, group: list[RolloutSample]) -> None:
+        """A kept group (its samples numbered with their batch group id)."""
+        self.pending.append(group)
+        if len(self.pending) >= self.per_part:
+            self._send()
+
+    def _send(self) -> None:
+        t = time.time()
+        samples = [s for g in self.pending for s in g]
+        self.pending = []
+        self.learner.stream_part(samples, pad_id=self.pad_id, use_tree=self.use_tree, loss_kwargs=self.loss_kwargs)
+        self.seconds += time.time() - t
+
+    def finish(self, batch: StepBatch) -> Any:
+        """Send what is left, wait for the learner and step once; returns its
+        :class:`~keye.rl.learner.learner.UpdateResult` and records the time spent in ``batch.timing``."""
+        if self.pending:
+            self._send()
+        t = time.time()
+        result = self.learner.finish_stream(loss_kwargs=self.loss_kwargs)
+        batch.timing["update"] = time.time() - t
+        batch.timing["stream_parts"] = self.seconds
+        return result

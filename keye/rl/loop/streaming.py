@@ -18,9 +18,13 @@ step of the loop it:
    replaced by a new admission); ``data.prompts_per_step`` kept groups make the step's batch. Each trained answer
    gets a line in ``trajectories.jsonl`` (its per-version token spans).
 
-The loop then computes log-probs and advantages and updates the learner exactly as in synchronous mode (the
-loss is the decoupled PPO loss below), and :meth:`StreamingBatcher.push_weights` sends the new weights as version
-``v + 1`` (:meth:`RolloutManager.update_weights`: pause at a chunk boundary, load, resume; unfinished answers
+With the streaming update (``rl.update``: ``streaming``, or ``auto`` when the update is one optimizer step) each
+kept group goes to the learner as soon as it is complete (:class:`~keye.rl.loop.batcher.StreamingUpdate`: its
+log-probs, advantages and gradient are computed while the long tail of the batch still decodes) and the optimizer
+steps once the batch is whole; with ``barrier`` the loop computes log-probs and advantages and updates the learner
+after the whole batch is in, exactly as in synchronous mode. Either way the loss is the decoupled PPO loss below,
+every trained token comes from one version, and :meth:`StreamingBatcher.push_weights` then sends the new weights
+as version ``v + 1`` (:meth:`RolloutManager.update_weights`: pause at a chunk boundary, load, resume; unfinished answers
 continue under the new weights - partial rollouts).
 
 **Off-policy correction (decoupled PPO).** An answer trained at version ``v`` was sampled by a behaviour policy
@@ -47,7 +51,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,9 +174,11 @@ class StreamingBatcher:
         self.rm = RolloutManager(self.tm, self.workers.make, self.workers.count, max_inflight=r.max_batch_size,
                                  version=self.version)
 
-    def collect(self, step: int, seed: int) -> StepBatch:
+    def collect(self, step: int, seed: int,
+                on_group: Callable[[list[RolloutSample]], None] | None = None) -> StepBatch:
         """The batch of ``step`` (module doc, 1-3): ``B`` kept groups (fewer when dynamic sampling examined
-        ``algorithm.max_rounds * B`` groups first), numbered in admission order."""
+        ``algorithm.max_rounds * B`` groups first), numbered in admission order. ``on_group(samples)`` receives each
+        kept group as soon as it is complete and scored (the streaming update, :class:`StreamingUpdate`)."""
         a, B = self.cfg.algorithm, self.B
         replay_rng = random.Random(seed)
         t0 = time.time()
@@ -204,7 +210,13 @@ class StreamingBatcher:
                     self.extra["discarded"] += 1
                     dropped += 1
                     continue
+                for s in samples:
+                    s.group = len(kept)
                 kept.append((group, samples))
+                if on_group is not None:
+                    timing["replay"] += time.time() - t
+                    on_group(samples)
+                    t = time.time()
             timing["replay"] += time.time() - t
             if not finished and not admitted and self._progress() == before:
                 time.sleep(IDLE_SLEEP_S)
@@ -336,11 +348,7 @@ class StreamingBatcher:
         consumed = self.tm.consume([g.id for g, _ in kept])
         for g, _ in kept:
             self.inputs_cache.pop(g.id, None)
-        samples = []
-        for gi, (_, rows) in enumerate(kept):
-            for s in rows:
-                s.group = gi
-                samples.append(s)
+        samples = [s for _, rows in kept for s in rows]  # numbered 0 .. len(kept) - 1 as they were kept
         pool_added = 0
         if self.m_replay and self.cfg.replay.online:
             pool_added = add_online(self.pool, [(s.prompt.id, s.prompt.mode, s.text, [int(x) for x in s.response_ids],
