@@ -1,6 +1,6 @@
 # keye: the two commands a fresh machine needs.
 #   make test   create .venv if missing, install torch + keye with every extra, run the test suite
-#   make demo   start the Gradio video Q&A demo on the embedded keye-tiny model
+#   make demo   start the Gradio video Q&A demo on the embedded keye-tiny model (PORT=7861 for another port)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -34,8 +34,9 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# make demo PORT=7861: the demo on another port (an error naming the port when it is in use)
 demo: install
-	$(BIN)/keye demo --model keye-tiny
+	$(BIN)/keye demo --model keye-tiny --port $(or $(PORT),7860)
 
 lint: install
 	$(BIN)/ruff check keye tests benchmarks training eval demo data

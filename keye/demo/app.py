@@ -11,10 +11,12 @@ bad upload is answered with a readable message in the page, the server carrying 
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import io
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -29,7 +31,7 @@ from keye.demo.engine import ModelHost, quiet_transformers
 from keye.demo.examples import load_examples
 from keye.demo.frames import seen_frames, token_summary
 from keye.demo.session import MODES, ChatSession, SamplingSettings, VideoSettings, split_partial, stream_reply
-from keye.errors import KeyeError
+from keye.errors import KeyeConfigError, KeyeError
 
 log = logging.getLogger("keye.demo")
 
@@ -43,7 +45,14 @@ CSS = """
 .keye-alert {border-left: 4px solid #d9534f; background: rgba(217, 83, 79, 0.08); padding: 0.4em 0.8em;
              border-radius: 4px}
 .keye-summary {font-size: 0.92em}
+/* Gradio cuts a gallery caption at 80% of the thumbnail with an ellipsis ("0.0 s · slow · 24 ..."): let the
+   frame captions use the thumbnail's width and wrap instead. */
+.keye-gallery .caption-label {max-width: calc(100% - 8px) !important; white-space: normal !important;
+                              text-overflow: clip !important; overflow: visible !important}
 footer {display: none !important}
+/* Gradio lays a translucent "Loading..." sheet over the whole page until every component's code has loaded
+   (about 1.5 s), while the page already shows: a click on an example then hit the sheet and was lost. */
+.gradio-container > .main > .wrap.translucent {pointer-events: none}
 """
 
 
@@ -83,6 +92,25 @@ def _summary_markdown(summary: dict[str, Any], gen: dict[str, Any] | None = None
     return "  \n".join(lines)
 
 
+# A line that is nothing but a list marker or a heading mark ("2.", "3)", "-", "#"): Markdown renders it as an
+# empty list item or heading, so a one-word answer like "2." would show as a bare bullet.
+_BARE_MARKER = re.compile(r"^(?P<indent>[ \t]*)(?P<marker>\d{1,9}[.)]|[-+*]|#{1,6})[ \t]*$", re.MULTILINE)
+
+
+def markdown_safe(text: str) -> str:
+    """``text`` for a Markdown view (the chat bubbles): a line holding only a list or heading marker gets its
+    marker escaped (``2.`` -> ``2\\.``), so it shows as typed instead of as an empty list item or heading.
+    Everything else, real lists included, is left to Markdown."""
+
+    def escape(m: re.Match) -> str:
+        marker = m["marker"]
+        if marker[0].isdigit():
+            return f"{m['indent']}{marker[:-1]}\\{marker[-1]}"
+        return f"{m['indent']}\\{marker}"
+
+    return _BARE_MARKER.sub(escape, text)
+
+
 def _turn_messages(
     question: str, text: str, final: bool, stats: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
@@ -93,7 +121,7 @@ def _turn_messages(
     it spent ("mode: direct · 7 tokens").
     """
     view = split_partial(text)
-    out: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    out: list[dict[str, Any]] = [{"role": "user", "content": markdown_safe(question)}]
     if view.thinking is not None:
         status = "done" if (view.thinking_done or final) else "pending"
         title = "Thinking"
@@ -102,12 +130,12 @@ def _turn_messages(
         out.append(
             {
                 "role": "assistant",
-                "content": view.thinking or "…",
+                "content": markdown_safe(view.thinking) or "…",
                 "metadata": {"title": title, "status": status},
             }
         )
     if view.answer or final:
-        answer = view.answer or "*(no answer)*"
+        answer = markdown_safe(view.answer) or "*(no answer)*"
         if stats is not None:
             answer += f"\n\n<sub>{stats['line']}</sub>"
         out.append({"role": "assistant", "content": answer})
@@ -333,7 +361,7 @@ def _chat_view() -> _ChatView:
         send = gr.Button("Ask", variant="primary", scale=1, min_width=80)
         clear = gr.Button("New chat", scale=1, min_width=80)
     gallery = gr.Gallery(label="What the model saw (timestamp · slow/fast · tokens)", columns=4, height=340,
-                         object_fit="contain", allow_preview=True)
+                         object_fit="contain", allow_preview=True, elem_classes="keye-gallery")
     summary = gr.Markdown("", label="Token counts", show_label=False, elem_classes="keye-summary")
     return _ChatView(chatbot, alert, question, send, clear, gallery, summary)
 
@@ -341,19 +369,31 @@ def _chat_view() -> _ChatView:
 def _wire_deep_links(app: Any, examples: list[dict], files: Any, question: Any, respond: Any,
                      inputs: list[Any], outputs: list[Any]) -> None:
     """Deep links: ``?example=N`` fills in bundled example N, ``&ask=1`` also asks its question right away
-    (shareable links, and how the README screenshot is taken by a headless browser)."""
+    (shareable links, and how the README screenshot is taken by a headless browser).
+
+    The page-load event only reads the URL into a State; the files and the question are filled by that
+    State's change, which happens only when the URL holds a link. A load event with the files and the
+    question among its outputs would cover both with its progress overlay, and make them its pending outputs,
+    for its whole queued run after every page load, while the user may already be clicking an example.
+    """
+    link = gr.State(None)
     autorun = gr.State(False)
 
-    def from_url(request: gr.Request) -> tuple:
+    def from_url(request: gr.Request) -> Any:
         params = dict(request.query_params) if request is not None else {}
         try:
             n = int(params.get("example", ""))
         except ValueError:
-            return skip_all(3)
+            return gr.skip()
         if not 0 <= n < len(examples or []):
+            return gr.skip()
+        return {"example": n, "ask": params.get("ask", "0").lower() in ("1", "true", "yes")}
+
+    def fill(target: dict[str, Any] | None) -> tuple:
+        if not target:
             return skip_all(3)
-        ask = params.get("ask", "0").lower() in ("1", "true", "yes")
-        return [examples[n]["video"]], examples[n]["question"], ask
+        row = examples[target["example"]]
+        return [row["video"]], row["question"], target["ask"]
 
     def respond_if_asked(*args: Any) -> Iterator[tuple]:
         if not args[-1]:
@@ -361,7 +401,8 @@ def _wire_deep_links(app: Any, examples: list[dict], files: Any, question: Any, 
             return
         yield from respond(*args[:-1])
 
-    app.load(from_url, None, [files, question, autorun], api_name=False).then(
+    app.load(from_url, None, [link], api_name=False, show_progress="hidden")
+    link.change(fill, [link], [files, question, autorun], api_name=False).then(
         respond_if_asked, [*inputs, autorun], outputs, api_name=False
     )
 
@@ -407,7 +448,8 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
         status = gr.Markdown(host.describe(), elem_classes="keye-status")
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=320):
-                files = gr.File(label="Video or images", file_count="multiple", type="filepath", height=120)
+                files = gr.File(label="Video or images", file_count="multiple", type="filepath", height=120,
+                                elem_id="keye-files")
                 # Placeholder for the examples table, filled below once the question box exists.
                 examples_slot = gr.Column()
                 controls = _settings_controls(settings_defaults, SamplingSettings(greedy=True))
@@ -417,7 +459,7 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
             with examples_slot:
                 gr.Examples(examples=[[[e["video"]], e["question"]] for e in examples],
                             inputs=[files, view.question], label="Examples (held-out synthetic clips)",
-                            cache_examples=False)
+                            cache_examples=False, elem_id="keye-examples")
 
         inputs = [files, view.question, state, *controls.inputs()]
         outputs = [view.chatbot, state, view.alert, view.gallery, view.summary, view.question]
@@ -438,6 +480,58 @@ def build_app(host: ModelHost, max_video_seconds: float | None = 600.0, examples
     return app
 
 
+def page_figures(host: ModelHost, example: dict[str, Any]) -> dict[str, Any]:
+    """What the page shows after asking bundled ``example`` (a :func:`keye.demo.examples.load_examples` row)
+    with the page's initial settings, by running the page's own handler (:func:`make_respond`) on the ready
+    ``host``: the README screenshot's figures (``demo/make_screenshot.py`` writes them beside the PNG and
+    ``tests/demo/test_readme_screenshot.py`` recomputes them).
+
+    Returns ``{"model", "example", "question", "answer", "reply_line", "prompt_tokens", "visual_tokens",
+    "generated_tokens", "frames"}``: the status line's model description without the load time, the example's
+    file name and question, the answer bubble's text and the line under it, the summary's token counts and
+    the gallery's captions. Timings are left out (they change from run to run).
+    """
+    if not host.wait(0):
+        raise KeyeConfigError(f"the model is not loaded ({host.state}): {host.error or 'wait for it first'}")
+    video = VideoSettings.for_checkpoint(host.processor)  # the sliders once the model is ready
+    sampling = SamplingSettings(greedy=True)  # the Generation accordion's initial values
+    with tempfile.TemporaryDirectory(prefix="keye-demo-figures-") as frames_dir:
+        respond = make_respond(host, None, frame_dir=frames_dir)
+        updates = list(respond([example["video"]], example["question"], None, video.fps, video.max_frames,
+                               video.token_budget, video.slow_fast is not False, video.min_frame_similarity, "auto",
+                               sampling.greedy, sampling.temperature, sampling.top_p, sampling.top_k,
+                               sampling.max_new_tokens, sampling.repetition_penalty))
+    chat, _, alert, gallery, summary, _ = updates[-1]
+    if getattr(alert, "visible", False) or not chat:
+        raise KeyeConfigError(f"the demo could not answer example {example['video']}: {getattr(alert, 'value', '')}")
+    answer, _, line = chat[-1]["content"].partition("\n\n<sub>")
+    counts = re.search(r"\*\*Prompt:\*\* ([\d,]+) tokens, of which \*\*([\d,]+) visual", summary)
+    generated = re.search(r"\*\*Generated:\*\* (\d+) tokens?", summary)
+    return {
+        "model": host.describe().split(" · loaded in ")[0].replace("**", "").replace("`", ""),
+        "example": Path(example["video"]).name,
+        "question": example["question"],
+        "answer": answer,
+        "reply_line": line.removesuffix("</sub>"),
+        "prompt_tokens": int(counts.group(1).replace(",", "")),
+        "visual_tokens": int(counts.group(2).replace(",", "")),
+        "generated_tokens": int(generated.group(1)),
+        "frames": [caption for _, caption in gallery],
+    }
+
+
+def figures_on_page(figures: dict[str, Any]) -> list[str]:
+    """The texts of :func:`page_figures` that the rendered page must contain (``document.body.innerText``):
+    how ``demo/make_screenshot.py`` checks that the screenshot shows the figures it records."""
+    return [
+        figures["model"].removeprefix("Model ready: "),
+        f"Prompt: {figures['prompt_tokens']:,} tokens, of which {figures['visual_tokens']:,} visual",
+        f"Generated: {figures['generated_tokens']} token",
+        figures["reply_line"],
+        *figures["frames"],
+    ]
+
+
 def serve(
     app: Any,
     host: str = "127.0.0.1",
@@ -450,7 +544,9 @@ def serve(
     """Queue (one generation at a time, ``queue_size`` waiting) and launch ``app``; uploads above
     ``max_file_size`` are refused by Gradio with a message.
 
-    ``block=False`` returns right after the server is up (tests); call ``app.close()`` to stop it.
+    ``block=False`` returns right after the server is up (tests, and :func:`launch`, which then blocks in
+    ``app.block_thread()``); call ``app.close()`` to stop it. A port that cannot be listened on raises
+    Gradio's ``OSError``.
     """
     app.queue(default_concurrency_limit=1, max_size=queue_size)
     return app.launch(
@@ -478,12 +574,27 @@ def launch(
     queue_size: int = 32,
 ) -> None:
     """Start the demo (``keye demo``): begin loading ``model`` in the background and serve the page
-    until interrupted."""
+    until interrupted.
+
+    The port is checked first: when it is in use (or not allowed) a :class:`KeyeConfigError` naming it is
+    raised before the model loads, and the page's address is printed only once the server is up.
+    """
+    from keye.demo.net import check_port, port_error
+
+    check_port(host, port)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
     quiet_transformers()
     model_host = ModelHost(model, device=device).start()
     app = build_app(model_host, max_video_seconds)
-    print(f"keye demo: http://{host}:{port} (model {model}, loading in the background)", flush=True)
-    serve(app, host, port, share, queue_size, block=True)
+    try:
+        launched = serve(app, host, port, share, queue_size, block=False)
+    except OSError as err:
+        # Taken since the check: Gradio's own message suggests GRADIO_SERVER_PORT and a traceback follows it.
+        raise port_error(host, port, OSError(errno.EADDRINUSE, str(err))) from None
+    print(f"keye demo: http://{host}:{port} (model {model}, loading in the background; Ctrl-C stops)", flush=True)
+    share_url = launched[2] if isinstance(launched, tuple) and len(launched) > 2 else None
+    if share_url:
+        print(f"keye demo: public link {share_url}", flush=True)
+    app.block_thread()

@@ -69,6 +69,7 @@ class _Pipe:
         self.buf = b""
 
     def call(self, method: str, timeout: float = 60.0, session: str | None = None, **params: Any) -> dict:
+        """Send ``method`` and wait for its reply (events in between are skipped); returns its result."""
         self.next_id += 1
         msg: dict[str, Any] = {"id": self.next_id, "method": method, "params": params}
         if session is not None:
@@ -91,37 +92,49 @@ class _Pipe:
                 return reply.get("result", {})
 
 
-def screenshot(
-    url: str,
-    out: str | Path,
-    *,
-    wait_for: str | None = None,
-    timeout: float = 120.0,
-    size: tuple[int, int] = (1280, 1600),
-    settle: float = 1.0,
-    browser: str | None = None,
-) -> Path:
-    """Open ``url`` in headless Chromium, wait until the page text contains ``wait_for`` (if given), then
-    ``settle`` more seconds, and write a full-window PNG of ``size`` (width, height) to ``out``.
+class HeadlessPage:
+    """One page of headless Chromium driven over the DevTools pipe, as a context manager::
 
-    Raises :class:`KeyeConfigError` when no browser is installed, the browser dies, or ``wait_for`` does
-    not appear within ``timeout`` seconds (the message quotes the end of the page text).
+        with HeadlessPage("http://127.0.0.1:7860/") as page:
+            page.wait_for_text("Model ready")
+            page.evaluate("document.title")
+            page.capture("page.png")
+
+    ``size`` is the window (width, height) in CSS pixels; ``browser`` a browser executable (default:
+    :func:`find_browser`). Every failure (no browser, the browser dying, a DevTools error) is a
+    :class:`KeyeConfigError`.
     """
-    exe = browser or find_browser()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Chromium's helper processes may still flush into the profile as they exit; a leftover file there
-    # must not turn a good screenshot into an error.
-    with tempfile.TemporaryDirectory(prefix="keye_chromium_", ignore_cleanup_errors=True) as profile:
+
+    def __init__(self, url: str, *, size: tuple[int, int] = (1280, 1600), browser: str | None = None):
+        self.url = url
+        self.size = size
+        self.exe = browser or find_browser()
+        self._cdp: _Pipe | None = None
+        self._sid: str | None = None
+        self._cleanup: list[Any] = []
+
+    def __enter__(self) -> HeadlessPage:
+        # Chromium's helper processes may still flush into the profile as they exit; a leftover file there
+        # must not turn a good run into an error.
+        profile = tempfile.TemporaryDirectory(prefix="keye_chromium_", ignore_cleanup_errors=True)
+        self._cleanup.append(profile.cleanup)
+        try:
+            self._start(profile.name)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start(self, profile: str) -> None:
         # Chromium talks on fds 3 (in) and 4 (out). Our pipe ends are first moved to fds >= 10 so the
         # bash's "3<&a 4>&b" can never overwrite one with the other; no preexec_fn (unsafe with threads).
         to_r, to_w = (_high_fd(fd) for fd in os.pipe())  # we write -> browser fd 3
         from_r, from_w = (_high_fd(fd) for fd in os.pipe())  # browser fd 4 -> we read
         cmd = [
-            exe,
+            self.exe,
             *FLAGS,
             f"--user-data-dir={profile}",
-            f"--window-size={size[0]},{size[1]}",
+            f"--window-size={self.size[0]},{self.size[1]}",
             "--remote-debugging-pipe",
             "about:blank",
         ]
@@ -134,45 +147,102 @@ def screenshot(
         )
         os.close(to_r)
         os.close(from_w)
-        try:
-            cdp = _Pipe(proc, to_w, from_r)
-            target = cdp.call("Target.createTarget", url="about:blank")["targetId"]
-            sid = cdp.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-            cdp.call(
-                "Emulation.setDeviceMetricsOverride",
-                session=sid,
-                width=size[0],
-                height=size[1],
-                deviceScaleFactor=1,
-                mobile=False,
-            )
-            cdp.call("Page.enable", session=sid)
-            cdp.call("Page.navigate", session=sid, url=url)
-            deadline = time.monotonic() + timeout
-            text = ""
-            while wait_for is not None:
-                res = cdp.call(
-                    "Runtime.evaluate",
-                    session=sid,
-                    expression="document.body ? document.body.innerText : ''",
-                    returnByValue=True,
-                )
-                text = res.get("result", {}).get("value") or ""
-                if wait_for in text:
-                    break
-                if time.monotonic() > deadline:
-                    raise KeyeConfigError(
-                        f"{wait_for!r} did not appear on {url} within {timeout:g} s; page ends: {text[-300:]!r}"
-                    )
-                time.sleep(0.5)
-            time.sleep(settle)
-            data = cdp.call("Page.captureScreenshot", session=sid, format="png")["data"]
-            out.write_bytes(base64.b64decode(data))
-        finally:
+
+        def close() -> None:
             _close_browser(proc, to_w)
             os.close(to_w)
             os.close(from_r)
-    return out
+
+        self._cleanup.append(close)
+        self._cdp = _Pipe(proc, to_w, from_r)
+        target = self._cdp.call("Target.createTarget", url="about:blank")["targetId"]
+        self._sid = self._cdp.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.call("Emulation.setDeviceMetricsOverride", width=self.size[0], height=self.size[1],
+                  deviceScaleFactor=1, mobile=False)
+        self.call("Page.enable")
+        self.call("Page.navigate", url=self.url)
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._cleanup:
+            self._cleanup.pop()()
+
+    def call(self, method: str, timeout: float = 60.0, **params: Any) -> dict:
+        """Send one DevTools command to the page; returns its result."""
+        if self._cdp is None:
+            raise KeyeConfigError("the page is not open (use HeadlessPage as a context manager)")
+        return self._cdp.call(method, timeout=timeout, session=self._sid, **params)
+
+    def evaluate(self, expression: str) -> Any:
+        """The value of a JavaScript ``expression`` in the page (JSON-serialisable values only)."""
+        res = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in res:
+            raise KeyeConfigError(f"JavaScript error in {expression[:80]!r}: {res['exceptionDetails'].get('text')}")
+        return res.get("result", {}).get("value")
+
+    def text(self) -> str:
+        """The page's visible text (``document.body.innerText``)."""
+        return self.evaluate("document.body ? document.body.innerText : ''") or ""
+
+    def wait_for_text(self, text: str, timeout: float = 120.0) -> str:
+        """Wait until the page's text contains ``text``; returns the page text. Raises
+        :class:`KeyeConfigError` quoting the end of the page after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            page = self.text()
+            if text in page:
+                return page
+            if time.monotonic() > deadline:
+                raise KeyeConfigError(
+                    f"{text!r} did not appear on {self.url} within {timeout:g} s; page ends: {page[-300:]!r}"
+                )
+            time.sleep(0.25)
+
+    def capture(self, out: str | Path) -> Path:
+        """Write a PNG of the window to ``out``."""
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data = self.call("Page.captureScreenshot", format="png")["data"]
+        out.write_bytes(base64.b64decode(data))
+        return out
+
+
+def capture(
+    url: str,
+    out: str | Path,
+    *,
+    wait_for: str | None = None,
+    timeout: float = 120.0,
+    size: tuple[int, int] = (1280, 1600),
+    settle: float = 1.0,
+    browser: str | None = None,
+) -> tuple[Path, str]:
+    """Open ``url`` in headless Chromium, wait until the page text contains ``wait_for`` (if given), then
+    ``settle`` more seconds, and write a full-window PNG of ``size`` (width, height) to ``out``. Returns
+    ``(out, the page's text at the capture)``.
+
+    Raises :class:`KeyeConfigError` when no browser is installed, the browser dies, or ``wait_for`` does
+    not appear within ``timeout`` seconds (the message quotes the end of the page text).
+    """
+    with HeadlessPage(url, size=size, browser=browser) as page:
+        if wait_for is not None:
+            page.wait_for_text(wait_for, timeout)
+        time.sleep(settle)
+        text = page.text()
+        return page.capture(out), text
+
+
+def screenshot(
+    url: str,
+    out: str | Path,
+    *,
+    wait_for: str | None = None,
+    timeout: float = 120.0,
+    size: tuple[int, int] = (1280, 1600),
+    settle: float = 1.0,
+    browser: str | None = None,
+) -> Path:
+    """:func:`capture` without the page text: the PNG's path."""
+    return capture(url, out, wait_for=wait_for, timeout=timeout, size=size, settle=settle, browser=browser)[0]
 
 
 def _close_browser(proc: subprocess.Popen, to_browser: int) -> None:

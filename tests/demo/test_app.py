@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 import shutil
 import socket
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from keye.demo.app import markdown_safe
 from keye.demo.engine import ModelHost
 from keye.demo.session import ChatSession, VideoSettings, split_partial
 from tests.system import need_system
@@ -70,7 +73,7 @@ def test_video_question_streams_the_greedy_answer(server, clip):
     proc, model = host.processor, host.model
     batch = proc(ChatSession(media=[("video", str(clip))]).messages(QUESTION, VideoSettings()), mode="auto")
     out = model.generate(**batch, max_new_tokens=12, do_sample=False)
-    expected = split_partial(proc.decode(out[0, batch["input_ids"].shape[1] :])).answer or "*(no answer)*"
+    expected = markdown_safe(split_partial(proc.decode(out[0, batch["input_ids"].shape[1] :])).answer) or "*(no answer)*"
     assert answer == expected
 
     # Streamed: several intermediate updates whose text grows towards the final answer.
@@ -116,15 +119,27 @@ def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server, clip, co
     assert pic[2][0]["caption"].startswith("image 0 · image · ")
 
 
+# Every gallery caption whose text does not fit its box (Gradio cuts it with an ellipsis).
+CUT_CAPTIONS = """[...document.querySelectorAll('.keye-gallery .caption-label')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 || e.scrollHeight > e.clientHeight + 1)
+    .map(e => e.innerText)"""
+
+
 @pytest.mark.slow
 def test_screenshot_after_an_answer(server, tmp_path):
     from PIL import Image
 
-    from keye.demo.screenshot import BROWSERS, screenshot
+    from keye.demo.screenshot import BROWSERS, HeadlessPage
 
     need_system("chromium", any(shutil.which(b) for b in BROWSERS), "the demo screenshot test")
     url, _ = server
-    png = screenshot(url + "?example=0&ask=1", tmp_path / "demo.png", wait_for="Generated:", timeout=180)
+    with HeadlessPage(url + "?example=0&ask=1") as page:
+        page.wait_for_text("Generated:", timeout=180)
+        time.sleep(1.0)
+        captions = page.evaluate("[...document.querySelectorAll('.keye-gallery .caption-label')].map(e => e.innerText)")
+        assert captions and captions[0].startswith("0.0 s · slow · "), captions
+        assert page.evaluate(CUT_CAPTIONS) == []  # every frame's label is shown whole
+        png = page.capture(tmp_path / "demo.png")
     img = Image.open(png).convert("RGB")
     assert img.size == (1280, 1600)
     arr = np.asarray(img, dtype=np.float64)
@@ -132,3 +147,36 @@ def test_screenshot_after_an_answer(server, tmp_path):
     # The gallery's dark synthetic frames are on the page (the example clip's background is (24, 24, 28)).
     dark = (np.abs(arr - [24, 24, 28]).max(axis=2) < 12).mean()
     assert dark > 0.01
+
+
+EXAMPLE_ROWS = "[...document.querySelectorAll('#keye-examples tbody tr')]"
+QUESTION_BOX = "document.querySelector('textarea[placeholder^=\"Ask about the video\"]')"
+
+
+@pytest.mark.slow
+def test_an_example_clicked_right_after_load_is_kept(server):
+    """A mouse click on an example as soon as the page shows the examples reaches the table (Gradio's
+    translucent "Loading..." sheet over the page lets it through) and fills the question and the files, and
+    nothing the page does while it finishes loading undoes it."""
+    from keye.demo.examples import load_examples
+    from keye.demo.screenshot import BROWSERS, HeadlessPage
+
+    need_system("chromium", any(shutil.which(b) for b in BROWSERS), "the demo's example-click test")
+    url, _ = server
+    examples = load_examples()
+    with HeadlessPage(url) as page:
+        deadline = time.monotonic() + 60
+        while not page.evaluate(EXAMPLE_ROWS + ".length"):
+            assert time.monotonic() < deadline, page.text()[-500:]
+            time.sleep(0.02)
+        x, y = page.evaluate("(() => { const r = " + EXAMPLE_ROWS + f"[{len(examples) - 1}].getBoundingClientRect();"
+                             " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        hit = page.evaluate(f"(() => {{ const e = document.elementFromPoint({x}, {y}); "
+                            "return !!(e && e.closest('#keye-examples')); })()")
+        for kind in ("mousePressed", "mouseReleased"):
+            page.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+        time.sleep(4.0)  # the page's own load events have finished by now
+        assert hit, "something covers the examples right after the page shows them"
+        assert page.evaluate(QUESTION_BOX + ".value") == examples[-1]["question"]
+        files = page.evaluate("document.querySelector('#keye-files').innerText")
+        assert Path(examples[-1]["video"]).stem in files, files
