@@ -1,33 +1,37 @@
 """RL throughput of asynchronous (SeamlessFlow-style) vs synchronous rollouts.
 
-Part (a), measured on this machine: :func:`keye.recipes.rlep.train` (``rl.mode=async``) on keye-tiny with a local Ray cluster
-(the rollout worker, a :class:`keye.rl.rollout.stream_worker.StreamWorker`, in a Ray actor with one torch thread; the
-learner group of one rank, ``rl.ray.learners=1``, in another with one torch thread), synchronous
-(``rl.max_staleness=0``: only the batch of the current weights is generated, so nothing is generated while the
-learner trains) vs asynchronous (``rl.max_staleness`` ``--staleness``: the next batch is generated during the
-update and unfinished answers continue under the new weights). Both run the same code, prompts, seeds and
-answer lengths; the lengths are long-tailed: :class:`keye.rl.rollout.stream_worker.AnswerLengths` (``--a-mu``,
-``--a-sigma``, capped at ``--a-max-tokens``) forces each answer's length (EOS masked until then). Throughput
-is trained answers per second over the updates after ``--a-warmup`` (worker start-up and first batches
-excluded), the median of ``--a-repeats`` runs of each mode, run alternately.
+Part (a), measured on this machine: :func:`keye.recipes.rlep.train` (``rl.mode=async``) on keye-tiny with a local Ray
+cluster (the rollout worker, a :class:`keye.rl.rollout.stream_worker.StreamWorker`, in a Ray actor with one torch
+thread; the learner group of one rank, ``rl.ray.learners=1``, in another with one torch thread), synchronous
+(``rl.max_staleness=0`` and the barrier update: only the batch of the current weights is generated, and nothing is
+generated while the learner trains) vs asynchronous (``rl.max_staleness`` ``--staleness`` and the streaming update:
+the next batch is generated during the update, unfinished answers continue under the new weights, and each group's
+gradient is computed as soon as it is complete). Both run the same code, prompts, seeds and answer lengths; the
+lengths are long-tailed: :class:`keye.rl.rollout.stream_worker.AnswerLengths` (``--a-mu``, ``--a-sigma``, capped at
+``--a-max-tokens``) forces each answer's length (EOS masked until then). Throughput is trained answers per second
+over the updates after ``--a-warmup`` (worker start-up and first batches excluded), the median of ``--a-repeats``
+runs of each mode, run alternately. Without ``data/synth/train.jsonl`` (a fresh clone) the prompts are generated.
 
 Part (b), the simulated cluster: first measures keye-tiny's costs on this machine (one decode step of
 ``model.generate`` at batch 1 and 16, prefill per prompt token, forward + backward per training token and
 one AdamW step, copying the weights into a second model as the weight sync), then feeds them to the
-discrete-event model of :mod:`keye.rl.distributed.simulate`: ``--gpus`` devices each costing what keye-tiny costs here,
-``--prompts`` x ``--group`` answers per update with lognormal lengths (``--mu``, ``--sigma``, capped at
+discrete-event model of :mod:`keye.rl.distributed.simulate`: ``--gpus`` devices each costing what keye-tiny costs
+here, ``--prompts`` x ``--group`` answers per update with lognormal lengths (``--mu``, ``--sigma``, capped at
 ``--max-tokens``), synchronous RL (all devices generate, then all train, then sync) vs asynchronous RL with
-staleness ``--staleness`` (the best of colocated and tag-shared placements). Each device decodes at most
-``prompts * group / gpus`` answers at once, so the synchronous loop starts the whole batch at once.
+staleness ``--staleness`` (the best of colocated and tag-shared placements), with the barrier update and with the
+streaming update. Answers in flight when new weights arrive pay a second prefill (prompt + the tokens they have, at
+the measured prefill cost). Each device decodes at most ``prompts * group / gpus`` answers at once, so the
+synchronous loop starts the whole batch at once. Two cost models: the measured CPU costs (a decode step grows with
+the number of answers decoded), and GPU-like decoding (a step costs the same for any number of answers, priced at
+the measured full-batch cost: memory-bound decoding, as a large model on a GPU), which is not measured here. Each
+simulated ratio is shown with its ceiling (:func:`keye.rl.distributed.simulate.ceiling`), the most any schedule
+with that staleness and update could reach on that workload.
 
 Costs are measured on one CPU thread: with two threads on a shared machine the decode step time varied
 twenty-fold between runs, with one it varied by about a quarter.
 
-A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, and a what-if where a decode step
-costs the same for any number of answers (memory-bound decoding, as a large model on a GPU; the step is
-priced at the measured full-batch cost), which is not measured here. Each simulated ratio is shown with its
-ceiling (:func:`keye.rl.distributed.simulate.ceiling`), the most any schedule with that staleness could reach on that
-workload: at staleness 1 about 2x with memory-bound decoding. The last line gives both ratios:
+A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, both cost models, barrier -> streaming.
+The last line gives the measured ratio and the simulated one with the streaming update and GPU-like decoding:
 ``rl throughput async vs sync: measured X.XXx, simulated 64 GPUs Y.YYx``.
 
 Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
@@ -181,7 +185,7 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
                         "train.lr=1e-5", f"train.steps={steps}", f"train.seed={seed}", "train.device=cpu",
                         f"checkpoint.out_dir={Path(tmp) / f'{mode}{rep}'}", "checkpoint.export=false",
                         "log.progress=false", "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={k}",
-                        "rl.ray.torch_threads=1",
+                        "rl.ray.torch_threads=1", f"rl.update={'barrier' if k == 0 else 'streaming'}",
                     ])
                     summary = train(cfg, answer_length=lengths)
                     ends = summary["step_end_times"]
@@ -241,35 +245,42 @@ def main() -> None:
           f"(median {int(sorted(lengths.ravel())[lengths.size // 2])}, mean {lengths.mean():.0f}, "
           f"{(lengths == args.max_tokens).mean() * 100:.1f}% at the cap); {per_gpu} answers decoded at once "
           f"per device; {args.steps} updates, first {args.warmup} not timed")
-    sync, best = compare(cfg, args.staleness)
-    ratio = best.samples_per_s / sync.samples_per_s
-    where = "colocated" if best.placement == "colocated" else f"tagged, {best.train_gpus} train-tagged devices"
-    print(f"  sync : {sync.samples_per_s:8.2f} samples/s  (decoding {sync.decode_busy * 100:.0f}% of device time)")
-    print(f"  async: {best.samples_per_s:8.2f} samples/s  (staleness {args.staleness}, {where}; decoding "
-          f"{best.decode_busy * 100:.0f}% of device time; largest staleness used {best.max_staleness_seen}; "
-          f"{best.partial} answers continued across a weight update, {best.preempted} preemptions)")
-
     flat = replace(cfg, decode_step_s=cfg.decode_step_s + cfg.decode_token_s * per_gpu, decode_token_s=0.0)
-    print(f"  ceiling of any staleness-{args.staleness} schedule (keye.rl.distributed.simulate.ceiling): "
-          f"{ceiling(cfg, args.staleness, sync):.2f}x, reached only by knowing each answer's length before it starts; "
-          f"{ceiling(flat, args.staleness):.2f}x with memory-bound decoding (a step costing the same for any batch)")
+    results = {}
+    for name, c in (("measured CPU costs", cfg), ("GPU-like decoding (a step costs the same for any batch)", flat)):
+        print(f"  {name}:")
+        for update in ("barrier", "streaming"):
+            sync, best = compare(c, args.staleness, update=update)
+            results[(c is flat, update)] = best.samples_per_s / sync.samples_per_s
+            where = "colocated" if best.placement == "colocated" else f"tagged, {best.train_gpus} train-tagged devices"
+            print(f"    {update:9s} update: async / sync {best.samples_per_s / sync.samples_per_s:.2f}x "
+                  f"(ceiling {ceiling(c, args.staleness, sync, update):.2f}x; sync {sync.samples_per_s:.2f} samples/s, "
+                  f"async {best.samples_per_s:.2f}; staleness {args.staleness}, {where}; largest staleness used "
+                  f"{best.max_staleness_seen}; {best.partial} answers continued across a weight update, "
+                  f"{best.preempted} preemptions, {best.reprefill_tokens} tokens prefilled again after weight loads)")
+    ratio = results[(True, "streaming")]
     if not args.no_sweep:
-        print("sweep (async / sync, best placement; the ceiling in brackets):")
-        for name, base in (("measured costs", cfg), ("what-if, decode step independent of batch", flat)):
+        print("sweep (async / sync, best placement, barrier -> streaming update; the ceilings in brackets):")
+        for name, base in (("measured costs", cfg), ("GPU-like decoding", flat)):
             for sigma in (0.5, 1.0, 1.5):
                 row = []
                 for k in (1, 2):
                     c = replace(base, length_sigma=sigma)
-                    s, a = compare(c, k)
-                    row.append(f"staleness {k}: {a.samples_per_s / s.samples_per_s:.2f}x ({ceiling(c, k, s):.2f}x)")
+                    cells = []
+                    for update in ("barrier", "streaming"):
+                        s, a = compare(c, k, update=update)
+                        cells.append(f"{a.samples_per_s / s.samples_per_s:.2f}x ({ceiling(c, k, s, update):.2f}x)")
+                    row.append(f"staleness {k}: {' -> '.join(cells)}")
                 print(f"  {name}, sigma {sigma}: " + ", ".join(row))
     if args.no_measured:
-        print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x")
+        print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x (streaming update, GPU-like "
+              "decoding, re-prefill charged)")
         return
     print(f"measured on this machine: keye-tiny, {args.a_prompts} prompts x {args.a_group} answers per update, "
           f"forced lengths lognormal(mu={args.a_mu}, sigma={args.a_sigma}) capped at {args.a_max_tokens}; rollout "
           f"worker and learner (one rank) in Ray actors (one torch thread each); {args.a_steps} updates per run, "
-          f"first {args.a_warmup} not timed; sync = staleness 0, async = staleness {args.staleness}")
+          f"first {args.a_warmup} not timed; sync = staleness 0 (barrier update), async = staleness {args.staleness} "
+          "with the streaming update")
     runs = measure_async_vs_sync(steps=args.a_steps, warmup=args.a_warmup, repeats=args.a_repeats,
                                  prompts=args.a_prompts, group=args.a_group, mu=args.a_mu, sigma=args.a_sigma,
                                  max_tokens=args.a_max_tokens, staleness=args.staleness, seed=args.seed)

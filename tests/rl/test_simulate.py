@@ -104,6 +104,39 @@ def test_no_placement_beats_the_pipeline_ceiling(seed):
         ceiling(SMALL, -1)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_streaming_update_keeps_the_bound_and_stays_under_its_ceiling(seed):
+    """The streaming update (each group of batch v trained as soon as it is complete, the step when the batch is
+    whole) keeps the staleness bound, trains every answer once per update, and no placement beats its own
+    ceiling, which is at least the barrier's (the update no longer waits for the tail's training)."""
+    flat = replace(SMALL, decode_step_s=SMALL.decode_step_s + SMALL.max_concurrent * SMALL.decode_token_s,
+                   decode_token_s=0.0)
+    for name, base in (("tail", SMALL), ("flat", flat), ("heavy", replace(SMALL, train_token_s=2e-3))):
+        cfg = replace(base, seed=seed, steps=10, warmup_steps=2)
+        sync = simulate(cfg, 0)
+        for k in (1, 2):
+            bound = ceiling(cfg, k, sync, "streaming")
+            assert bound >= ceiling(cfg, k, sync, "barrier") - 1e-9
+            for placement, train in (("colocated", None), *(("tagged", t) for t in (1, 2, 4, 6, 7))):
+                r = simulate(cfg, k, placement, train, update="streaming")
+                assert r.update == "streaming" and r.max_staleness_seen <= k
+                assert r.samples_per_s / sync.samples_per_s <= bound * 1.01, (name, k, placement, train)
+
+
+def test_in_flight_answers_pay_a_second_prefill_after_each_weight_load():
+    """Answers still decoding when new weights arrive are prefilled again (their caches came from the old
+    weights): charged in async runs, absent from the synchronous run (nothing in flight at an update), and
+    slower than the same run with a free prefill would be."""
+    sync, async_ = simulate(SMALL, 0), simulate(SMALL, 1, "tagged", 6)
+    assert sync.reprefill_tokens == 0 and async_.reprefill_tokens > 0
+    free = simulate(replace(SMALL, prefill_token_s=0.0), 1, "tagged", 6)
+    assert free.reprefill_tokens > 0 and free.samples_per_s > async_.samples_per_s
+    with pytest.raises(KeyeConfigError, match="streaming"):
+        simulate(SMALL, 0, update="streaming")
+    with pytest.raises(KeyeConfigError, match="update"):
+        simulate(SMALL, 1, update="eager")
+
+
 def test_deterministic_for_a_seed():
     a = simulate(SMALL, 1, "tagged", 3)
     b = simulate(SMALL, 1, "tagged", 3)

@@ -43,6 +43,7 @@ import numpy as np
 from keye.errors import KeyeConfigError
 
 PLACEMENTS = ("colocated", "tagged")
+UPDATES = ("barrier", "streaming")
 _EPS = 1e-6  # tokens: finish tolerance of the continuous progress
 
 
@@ -117,6 +118,8 @@ class SimResult:
     train_gpus: int
     mean_length: float = 0.0
     step_s: list[float] = field(default_factory=list)
+    update: str = "barrier"
+    reprefill_tokens: int = 0  # context tokens prefilled again after weight loads (answers in flight)
 
 
 class _Seq:
@@ -143,26 +146,32 @@ class _Gpu:
 
 
 def simulate(cfg: ClusterConfig, max_staleness: int = 0, placement: str = "colocated",
-             train_gpus: int | None = None) -> SimResult:
+             train_gpus: int | None = None, update: str = "barrier") -> SimResult:
     """Run the simulation described in the module docstring and return its :class:`SimResult`.
 
     ``max_staleness = 0`` with ``placement = "colocated"`` is synchronous RL. ``train_gpus`` (``"tagged"``
-    only, 1..n_gpus): GPUs with the train tag. Deterministic for a given ``cfg`` (including ``seed``).
+    only, 1..n_gpus): GPUs with the train tag. ``update``: ``barrier`` (update ``v`` starts when batch ``v`` is
+    complete) or ``streaming`` (each group of batch ``v`` is trained as soon as it is complete, the optimizer
+    steps when the batch is whole). Deterministic for a given ``cfg`` (including ``seed``).
     """
     cfg.validate()
     if placement not in PLACEMENTS:
         raise KeyeConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if update not in UPDATES:
+        raise KeyeConfigError(f"update must be one of {UPDATES}, got {update!r}")
+    if update == "streaming" and max_staleness == 0:
+        raise KeyeConfigError("a streaming update needs max_staleness >= 1 (synchronous RL trains whole batches)")
     if max_staleness < 0:
         raise KeyeConfigError(f"max_staleness must be >= 0, got {max_staleness}")
     n_train = cfg.n_gpus if placement == "colocated" else train_gpus
     if n_train is None or not 1 <= n_train <= cfg.n_gpus:
         raise KeyeConfigError(f"train_gpus must be in 1..{cfg.n_gpus} for placement 'tagged', got {train_gpus}")
-    return _Sim(cfg, max_staleness, placement, n_train).run()
+    return _Sim(cfg, max_staleness, placement, n_train, update == "streaming").run()
 
 
 class _Sim:
-    def __init__(self, cfg: ClusterConfig, k: int, placement: str, n_train: int):
-        self.cfg, self.k, self.placement, self.n_train = cfg, k, placement, n_train
+    def __init__(self, cfg: ClusterConfig, k: int, placement: str, n_train: int, streaming: bool = False):
+        self.cfg, self.k, self.placement, self.n_train, self.streaming = cfg, k, placement, n_train, streaming
         self.B = cfg.batch_prompts
         self.total_groups = (cfg.steps + k + 1) * self.B
         self.lengths = cfg.lengths(self.total_groups)
@@ -181,6 +190,8 @@ class _Sim:
         self.partial = 0
         self.preempted = 0
         self.consumed_tokens: list[int] = []
+        self.complete: list[list[int]] = [[] for _ in range(cfg.steps + k + 1)]  # per batch: groups done, untrained
+        self.reprefill_tokens = 0
 
     # ------------------------------------------------------------------------------------------- events
     def push(self, t: float, kind: str, idx: int = -1, epoch: int = -1) -> None:
@@ -262,17 +273,52 @@ class _Sim:
             self.group_left[s.group] -= 1
             if self.group_left[s.group] == 0:
                 self.batch_left[s.group // self.B] -= 1
+                self.complete[s.group // self.B].append(s.group)
         self.feed(now, only=g)
         self.schedule(g)
         self.try_train(now)
 
     def try_train(self, now: float) -> None:
         b = self.version
-        if self.trainer_busy or b >= self.cfg.steps or self.batch_left[b] > 0:
+        if self.trainer_busy or b >= self.cfg.steps:
+            return
+        if self.streaming:
+            self._stream(now, b)
+            return
+        if self.batch_left[b] > 0:
             return
         self.trainer_busy = True
+        self._take_train_gpus(now)
+        tokens = self._consume(b)
+        dur = self.cfg.train_token_s * tokens / self.n_train + self.cfg.train_step_s
+        self.push(now + dur, "train_done")
+        self.feed(now)
+
+    def _stream(self, now: float, b: int) -> None:
+        """Streaming update: train batch ``b``'s complete groups now (the train GPUs leave rollout for it); when
+        the batch is whole and every group trained, the optimizer step; otherwise the train GPUs roll out again."""
+        groups, self.complete[b] = self.complete[b], []
+        if groups:
+            self.trainer_busy = True
+            self._take_train_gpus(now)
+            tokens = sum(self.cfg.group_size * self.cfg.prompt_tokens + int(self.lengths[g].sum()) for g in groups)
+            self.push(now + self.cfg.train_token_s * tokens / self.n_train, "part_done")
+            self.feed(now)
+        elif self.batch_left[b] == 0:
+            self.trainer_busy = True
+            self._take_train_gpus(now)
+            self._consume(b)
+            self.push(now + self.cfg.train_step_s, "train_done")
+            self.feed(now)
+        else:
+            self._release_train_gpus(now)
+
+    def _take_train_gpus(self, now: float) -> None:
+        """The train-tagged GPUs stop rolling out; their answers go back to the queue (continued later)."""
         preempted = []
         for g in self.gpus[: self.n_train]:
+            if g.training:
+                continue
             self.settle(g, now)
             preempted.extend(g.active)
             g.active = []
@@ -281,6 +327,20 @@ class _Sim:
         for s in preempted:
             heapq.heappush(self.queue, (s.group, s.sample, s))
         self.preempted += len(preempted)
+
+    def _release_train_gpus(self, now: float) -> None:
+        """The trainer has nothing to do: the train GPUs roll out again."""
+        released = False
+        for g in self.gpus[: self.n_train]:
+            if g.training:
+                g.training, g.t = False, now
+                g.epoch += 1
+                released = True
+        if released:
+            self.feed(now)
+
+    def _consume(self, b: int) -> int:
+        """Record batch ``b``'s answers as trained (staleness, partial rollouts); returns its tokens."""
         tokens = 0
         for s in self.batch_seqs[b]:
             assert s.start_version is not None and s.remaining == 0.0
@@ -288,9 +348,11 @@ class _Sim:
             self.partial += s.crossed
             tokens += self.cfg.prompt_tokens + s.length
         self.consumed_tokens.append(tokens)
-        dur = self.cfg.train_token_s * tokens / self.n_train + self.cfg.train_step_s
-        self.push(now + dur, "train_done")
-        self.feed(now)
+        return tokens
+
+    def on_part_done(self, now: float) -> None:
+        self.trainer_busy = False
+        self.try_train(now)
 
     def on_train_done(self, now: float) -> None:
         self.version += 1
@@ -303,8 +365,12 @@ class _Sim:
                 g.busy_until = sync_end
                 g.epoch += 1
             else:
+                # after loading the new weights every answer in flight is prefilled again (prompt + the tokens it
+                # has), its KV cache having been computed with the old weights
                 self.settle(g, now)
-                g.busy_until = max(g.busy_until, now) + self.cfg.sync_s
+                ctx = sum(self.cfg.prompt_tokens + int(round(s.length - s.remaining)) for s in g.active)
+                self.reprefill_tokens += ctx
+                g.busy_until = max(g.busy_until, now) + self.cfg.sync_s + self.cfg.prefill_token_s * ctx
                 self.schedule(g)
         # answers started and unfinished now continue under the new weights (partial rollouts)
         for s in [s for g in self.gpus for s in g.active] + [item[2] for item in self.queue]:
@@ -327,6 +393,8 @@ class _Sim:
                     self.on_gpu(g, now)
             elif kind == "train_done":
                 self.on_train_done(now)
+            elif kind == "part_done":
+                self.on_part_done(now)
             else:  # sync_done
                 self.trainer_busy = False
                 self.try_train(now)
@@ -342,23 +410,24 @@ class _Sim:
             preempted=self.preempted, decode_busy=busy, placement=self.placement, max_staleness=self.k,
             train_gpus=self.n_train, mean_length=float(self.lengths[: cfg.steps * self.B].mean()),
             step_s=[b - a for a, b in zip(self.update_end, self.update_end[1:])],
+            update="streaming" if self.streaming else "barrier", reprefill_tokens=self.reprefill_tokens,
         )
 
 
-def compare(cfg: ClusterConfig, max_staleness: int = 1, train_gpus: list[int] | None = None
-            ) -> tuple[SimResult, SimResult]:
-    """Synchronous RL vs the best asynchronous placement with ``max_staleness``: colocated, or tagged with
-    each count in ``train_gpus`` (default: 1/8, 2/8, ..., 7/8 of the GPUs and all but one). Returns
-    ``(sync, async)``; ``async.samples_per_s / sync.samples_per_s`` is the speed-up."""
+def compare(cfg: ClusterConfig, max_staleness: int = 1, train_gpus: list[int] | None = None,
+            update: str = "barrier") -> tuple[SimResult, SimResult]:
+    """Synchronous RL vs the best asynchronous placement with ``max_staleness`` and ``update`` (barrier or
+    streaming): colocated, or tagged with each count in ``train_gpus`` (default: 1/16, 2/16, ..., 15/16 of the GPUs
+    and all but one). Returns ``(sync, async)``; ``async.samples_per_s / sync.samples_per_s`` is the speed-up."""
     sync = simulate(cfg, 0, "colocated")
-    options = [simulate(cfg, max_staleness, "colocated")]
+    options = [simulate(cfg, max_staleness, "colocated", update=update)]
     counts = train_gpus if train_gpus is not None else sorted(
-        {max(1, cfg.n_gpus * i // 8) for i in range(1, 8)} | {max(1, cfg.n_gpus - 1)})
-    options += [simulate(cfg, max_staleness, "tagged", t) for t in counts]
+        {max(1, cfg.n_gpus * i // 16) for i in range(1, 16)} | {max(1, cfg.n_gpus - 1)})
+    options += [simulate(cfg, max_staleness, "tagged", t, update=update) for t in counts]
     return sync, max(options, key=lambda r: r.samples_per_s)
 
 
-def ceiling(cfg: ClusterConfig, max_staleness: int, sync: SimResult | None = None) -> float:
+def ceiling(cfg: ClusterConfig, max_staleness: int, sync: SimResult | None = None, update: str = "barrier") -> float:
     """Upper bound on ``async / sync`` samples per second for **any** asynchronous schedule with staleness
     ``k = max_staleness`` on this cluster and workload: the pipeline bound of docs/rl_async.md.
 
@@ -375,6 +444,10 @@ def ceiling(cfg: ClusterConfig, max_staleness: int, sync: SimResult | None = Non
     A schedule reaches it only if it knows which answer is the longest before starting it (to give it a
     device alone) and trains without slowing any answer; with a decode step that costs the same for any
     number of answers (memory-bound decoding) the first condition is free and the bound is about ``k + 1``.
+
+    With ``update = "streaming"`` the groups of batch ``v`` are trained while its tail still decodes, so after
+    its longest answer only that answer's group (``u_v``, on all devices) and the optimizer step remain:
+    ``(k + 1) P >= mean(T_v + u_v) + S`` (and still ``P >= mean(U_v) + S``).
     """
     if max_staleness < 0:
         raise KeyeConfigError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -382,14 +455,19 @@ def ceiling(cfg: ClusterConfig, max_staleness: int, sync: SimResult | None = Non
     if sync is None:
         sync = simulate(cfg, 0)
     lengths = cfg.lengths(cfg.steps * cfg.batch_prompts)
-    gen, train = [], []
+    if update not in UPDATES:
+        raise KeyeConfigError(f"update must be one of {UPDATES}, got {update!r}")
+    gen, train, tail = [], [], []
     for b in range(cfg.warmup_steps, cfg.steps):
         batch = lengths[b * cfg.batch_prompts:(b + 1) * cfg.batch_prompts]
         gen.append(cfg.prefill_token_s * cfg.prompt_tokens
                    + int(batch.max()) * (cfg.decode_step_s + cfg.decode_token_s))
         tokens = int(batch.sum()) + batch.size * cfg.prompt_tokens
         train.append(cfg.train_token_s * tokens / cfg.n_gpus + cfg.train_step_s)
+        last = batch[int(np.argmax(batch.max(axis=1)))]  # the group of the longest answer
+        tail.append(cfg.train_token_s * (int(last.sum()) + last.size * cfg.prompt_tokens) / cfg.n_gpus + cfg.train_step_s)
     mean_gen, mean_train = sum(gen) / len(gen), sum(train) / len(train)
-    period = max(mean_train + cfg.sync_s, (mean_gen + mean_train + cfg.sync_s) / (max_staleness + 1))
+    after = sum(tail) / len(tail) if update == "streaming" else mean_train
+    period = max(mean_train + cfg.sync_s, (mean_gen + after + cfg.sync_s) / (max_staleness + 1))
     samples = cfg.batch_prompts * cfg.group_size
     return samples / period / sync.samples_per_s
