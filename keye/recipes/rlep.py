@@ -75,7 +75,7 @@ from keye.rl.loop.state import (
 )
 from keye.train import dist as kdist
 from keye.train.checkpoint import Checkpoints
-from keye.train.metrics import RunLog
+from keye.train.metrics import RunLog, truncate_jsonl
 from keye.train.models import load_processor
 from keye.train.run import start_run
 
@@ -103,6 +103,7 @@ class _Run:
     pad_id: int
     streaming: bool  # the streaming update (rl.update; asynchronous mode only)
     t_start: float = 0.0  # when this invocation's training began (after the step-0 evaluation)
+    restarts: int = 0  # learner group restarts of this invocation (rl.engine: ray)
 
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective): the batch source's run state as the loader state."""
@@ -129,31 +130,65 @@ def train(cfg: RLEPConfig, *, stop_after: int | None = None, on_step: Callable[[
             batch source's :meth:`~keye.rl.loop.batcher.BatchSource.view`).
         answer_length: forced answer lengths for the asynchronous mode's workers (benchmarks; see
             :class:`keye.rl.rollout.stream_worker.AnswerLengths`).
+    On Ray, a learner rank that dies (its process killed, a crash) ends the attempt: every component is rebuilt and
+    the run resumes from its newest checkpoint (from the start without one), at most ``rl.ray.max_restarts`` times,
+    each restart logged with its count in ``ray_events.jsonl`` and the summary's ``learner_restarts``.
+
     Raises:
         KeyeConfigError: an invalid config (:func:`keye.rl.config.validate`, the Ray checks), a checkpoint of the
             other ``rl.mode``, or resources a Ray cluster cannot place.
+        LearnerFailed: a learner rank died more than ``rl.ray.max_restarts`` times.
     """
     info = kdist.init_distributed(cfg.train.device)
     validate(cfg, info.world_size)
     out_dir = start_run(cfg, info)
     processor = load_processor(cfg.model)
     model_path = resolve_model_path(cfg.model.path)
-    if cfg.rl.engine == "ray":
-        from keye.rl.distributed.build import build_ray_components
+    if cfg.rl.engine != "ray":
+        return _attempt(cfg, info, out_dir, processor, build_components(cfg, info, model_path, processor),
+                        stop_after, on_step)
+    from keye.rl.distributed.build import build_ray_components
+    from keye.rl.distributed.learner_group import LearnerFailed
+    from keye.rl.distributed.ray_session import EventLog
 
+    events, restarts = EventLog(out_dir / "ray_events.jsonl"), 0
+    while True:
         parts = build_ray_components(cfg, info, model_path, processor, answer_length=answer_length)
-    else:
-        parts = build_components(cfg, info, model_path, processor)
+        try:
+            return _attempt(cfg, info, out_dir, processor, parts, stop_after, on_step, restarts=restarts)
+        except LearnerFailed as err:
+            # the learner group is gone with its rank: rebuild every component and resume from the last
+            # checkpoint, as a new driver would (answers in flight go back to the queue, rows of lost steps go)
+            restarts += 1
+            events.record("learner", -1, "died", detail=str(err), restarts=restarts)
+            if restarts > cfg.rl.ray.max_restarts:
+                raise LearnerFailed(f"{err}; the learner group was restarted {restarts - 1} times "
+                                    f"(rl.ray.max_restarts={cfg.rl.ray.max_restarts})") from None
+            _rewind(out_dir)
+            events.record("learner", -1, "restarted", restarts=restarts)
+
+
+def _attempt(cfg: RLEPConfig, info: kdist.DistInfo, out_dir: Path, processor: Any, parts: Components,
+             stop_after: int | None, on_step: Callable[[int, Any], None] | None, restarts: int = 0) -> dict[str, Any]:
+    """Set up (resuming from the newest checkpoint), run the loop and finish; the components are closed after."""
     source = None
     try:
         run = _setup(cfg, info, out_dir, processor, parts)
-        source = run.source
+        run.restarts, source = restarts, run.source
         _loop(run, stop_after, on_step)
         return _finish(run)
     finally:
         if source is not None:
             source.close()
         parts.close()
+
+
+def _rewind(out_dir: Path) -> None:
+    """Before a restart without a checkpoint to resume from: the rows the failed attempt wrote go (a resume from a
+    checkpoint cuts them back itself)."""
+    if Checkpoints(out_dir, keep_last=1, is_main=True).latest is None:
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            truncate_jsonl(out_dir / name, -1)
 
 
 def _setup(cfg: RLEPConfig, info: kdist.DistInfo, out_dir: Path, processor: Any, parts: Components) -> _Run:
@@ -251,7 +286,8 @@ def _finish(run: _Run) -> dict[str, Any]:
         "param_checksum": learner.checksum(),
     }
     if hasattr(learner, "actors"):  # a Ray learner group
-        summary.update(learner_ranks=len(learner.actors), learner_devices=list(learner.devices))
+        summary.update(learner_ranks=len(learner.actors), learner_devices=list(learner.devices),
+                       learner_restarts=run.restarts)
     summary.update(run.source.summary())
     if info.is_main:
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

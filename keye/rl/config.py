@@ -152,7 +152,7 @@ class RaySection:
     rollout_workers: int = 1  # actors holding a whole-weight rollout engine (prompts split by index)
     reward_workers: int = 2  # actors scoring in parallel (0: score in the driver)
     reward_timeout_s: float = 60.0  # a reward call slower than this is killed and re-run on a new worker
-    max_restarts: int = 3  # restarts of one worker within one call before the run fails
+    max_restarts: int = 3  # restarts of one worker within one call (and of the learner group per run) before failing
     learner_cpus: float = 1.0
     learner_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
     rollout_cpus: float = 1.0

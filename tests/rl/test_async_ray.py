@@ -153,6 +153,31 @@ def test_a_rollout_worker_killed_by_its_pid_loses_nothing(fx, ray_cluster, tmp_p
 
 
 
+def test_a_learner_rank_killed_by_its_pid_is_rebuilt_from_the_last_checkpoint(fx, ray_cluster, tmp_path):
+    """The learner process dies after update 2 (SIGKILL by its pid, before that step's checkpoint): the driver
+    rebuilds the learner group and the workers, resumes from the step-1 checkpoint (answers in flight back in the
+    queue, rows of the lost steps cut), and the run ends with the uninterrupted number of trained answers, each
+    trained once; the restart is counted in the summary and logged in ray_events.jsonl."""
+    killed: list[int] = []
+
+    def on_step(step, run):
+        if step == 2 and not killed:
+            pid = run.learner.pids()[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    out = tmp_path / "learner"
+    summary = train(load_config(RLEPConfig, None, _overrides(fx, out, "checkpoint.save_every=1",
+                                                             "checkpoint.keep_last=5")), on_step=on_step)
+    assert killed and summary["finished"] and summary["steps"] == 4 and summary["learner_restarts"] == 1
+    assert summary["trained_trajectories"] == 4 * B * G
+    _check_log(out, 4, K)  # B * G answers per step, each answer once
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert steps == [1, 2, 3, 4]
+    events = [json.loads(x) for x in (out / "ray_events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["component"] == "learner"] == ["died", "restarted"]
+
+
 def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx, ray_cluster, tmp_path):
 
     # no replay: a random model fails every question, so every group is uninformative by accuracy; each update

@@ -32,8 +32,8 @@ Faults: a rollout or reward worker whose process dies (``RayActorError``) - or a
 out - is replaced by a new actor from the same factory (same placement bundle); a rollout worker first loads
 the current version (the shards kept in the object store, or a new broadcast) and the request is re-sent with
 the same start state, so the results equal an uninterrupted run and nothing is counted twice. Every event is logged with
-running counts and appended to ``<checkpoint.out_dir>/ray_events.jsonl``. The learner group is not
-restarted: a learner failure ends the run, which resumes from its last checkpoint.
+running counts and appended to ``<checkpoint.out_dir>/ray_events.jsonl``. The learner group is rebuilt and
+resumed from the last checkpoint by the recipe when a rank dies (:class:`~keye.rl.distributed.learner_group.LearnerFailed`).
 
 Starting: ``rl.ray.address`` None starts a local cluster (``ray.init`` with this machine's CPUs and GPUs);
 ``auto`` (or ``host:port``) joins one started with ``ray start --head`` / ``ray start --address ...``. An

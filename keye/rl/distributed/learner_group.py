@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from keye.errors import KeyeConfigError
+from keye.errors import KeyeConfigError, KeyeError
 from keye.rl.algorithms.sampling import group_minibatches
 from keye.rl.distributed.ray_session import RaySession, free_port, torch_threads
 from keye.rl.distributed.weight_sync import broadcast_shards, open_sync_group
@@ -33,6 +33,11 @@ except ImportError as _err:  # pragma: no cover - depends on the installation
     raise KeyeConfigError(f"rl.engine=ray needs the 'ray' package (pip install 'keye[ray]'): {_err}") from None
 
 log = logging.getLogger("keye.rl.distributed.learner_group")
+
+
+class LearnerFailed(KeyeError, RuntimeError):
+    """A learner rank's process died: the group cannot go on (its peers wait in collectives for the dead rank)
+    and must be rebuilt from the last checkpoint (:func:`keye.recipes.rlep.train` does that)."""
 
 
 def plan_updates(samples: Sequence[RolloutSample], *, n_groups: int, seed: int, ppo_epochs: int,
@@ -295,7 +300,7 @@ class RemoteLearner:
         shares = assign_groups(samples, len(self.actors))
         refs = [a.compute_logprobs.remote([samples[i] for i in idx], target, pad_id, use_tree)
                 for a, idx in zip(self.actors, shares)]
-        for idx, values in zip(shares, ray.get(refs)):
+        for idx, values in zip(shares, self._get(refs)):
             for i, v in zip(idx, values):
                 if samples[i].num_tokens > 0:
                     setattr(samples[i], target, v)
@@ -312,7 +317,7 @@ class RemoteLearner:
             pos = {g: j for j, g in enumerate(idx)}
             local = [[pos[i] for i in mb if i in pos] for mb in plan]
             jobs.append(actor.update.remote([samples[i] for i in idx], local, pad_id, use_tree, loss_kwargs))
-        return merge_updates(ray.get(jobs))
+        return merge_updates(self._get(jobs))
 
     @property
     def ranks(self) -> int:
@@ -335,18 +340,21 @@ class RemoteLearner:
         into the driver's samples, and step every rank once; returns the merged result (:func:`merge_updates`)."""
         pending, self._stream = self._stream, []
         for samples, shares, refs in pending:
-            for idx, values in zip(shares, ray.get(refs)):
+            for idx, values in zip(shares, self._get(refs)):
                 for i, (old, ref, adv) in zip(idx, values):
                     samples[i].old_logp, samples[i].ref_logp, samples[i].advantage = old, ref, adv
-        return merge_updates(ray.get([a.finish_stream.remote(loss_kwargs) for a in self.actors]))
+        return merge_updates(self._get([a.finish_stream.remote(loss_kwargs) for a in self.actors]))
 
     def export_refs(self, max_bytes: int) -> list[Any]:
         """The current weights as object refs of shards ``{name: tensor}`` (each ``ray.put`` once by rank 0,
         owned by the driver; the other ranks walk the collective export alongside)."""
         stream = self.actors[0].export_shards.options(num_returns="streaming").remote(max_bytes)
         drains = [a.drain_export.remote(max_bytes) for a in self.actors[1:]]
-        refs = list(stream)
-        ray.get(drains)
+        try:
+            refs = list(stream)
+        except ray.exceptions.RayActorError as err:
+            raise LearnerFailed(f"learner rank 0 died while exporting the weights ({type(err).__name__})") from None
+        self._get(drains)
         return refs
 
     def broadcast_refs(self, max_bytes: int) -> list[Any]:
@@ -359,7 +367,7 @@ class RemoteLearner:
         """The current weights as shards in this process (held one at a time), like
         :meth:`Learner.export_weights`."""
         for ref in self.export_refs(max_bytes):
-            yield ray.get(ref)
+            yield self._get(ref)
 
     def save_checkpoint(self, ckpt_dir: Path, run_state: Any, trainer_state: dict[str, Any], processor: Any) -> None:
         """Every rank writes its part of the checkpoint layout of :func:`keye.train.checkpoint.save_checkpoint` (rank 0
@@ -367,20 +375,35 @@ class RemoteLearner:
         state (``processor`` is the ranks' own copy of the same files). ``ckpt_dir`` must be reachable from
         learner rank 0 and the driver (same machine or shared storage)."""
         state = run_state.state_dict()
-        ray.get([a.save.remote(str(ckpt_dir), state, trainer_state) for a in self.actors])
+        self._get([a.save.remote(str(ckpt_dir), state, trainer_state) for a in self.actors])
 
     def load_checkpoint(self, ckpt_dir: Path, run_state: Any) -> dict[str, Any]:
         """Every rank restores its part; the driver's ``run_state`` gets the saved one. Returns the trainer
         state."""
-        out = ray.get([a.load.remote(str(ckpt_dir)) for a in self.actors])
+        out = self._get([a.load.remote(str(ckpt_dir)) for a in self.actors])
         trainer, held = out[0]
         run_state.load_state_dict(held)
         return trainer
 
     def checksum(self) -> float:
         """Sum of every weight in float64 (collective over the ranks)."""
-        return ray.get([a.checksum.remote() for a in self.actors])[0]
+        return self._get([a.checksum.remote() for a in self.actors])[0]
+
+    def _get(self, refs: Any) -> Any:
+        """``ray.get`` that fails fast when a rank dies: the ranks still alive may be waiting in a collective for
+        the dead one (until the process group's timeout), so every call is polled and the first rank found dead
+        raises :class:`LearnerFailed` naming it."""
+        many = isinstance(refs, list)
+        pending = list(refs) if many else [refs]
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    raise LearnerFailed(f"a learner rank died ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+        return ray.get(refs)
 
     def pids(self) -> list[int]:
         """The ranks' process ids."""
-        return ray.get([a.pid.remote() for a in self.actors])
+        return self._get([a.pid.remote() for a in self.actors])
