@@ -185,7 +185,8 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
                         "train.lr=1e-5", f"train.steps={steps}", f"train.seed={seed}", "train.device=cpu",
                         f"checkpoint.out_dir={Path(tmp) / f'{mode}{rep}'}", "checkpoint.export=false",
                         "log.progress=false", "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={k}",
-                        "rl.ray.torch_threads=1", f"rl.update={'barrier' if k == 0 else 'streaming'}",
+                        "rl.ray.torch_threads=1", "rl.ray.reward_workers=0",
+                        f"rl.update={'barrier' if k == 0 else 'streaming'}",
                     ])
                     summary = train(cfg, answer_length=lengths)
                     ends = summary["step_end_times"]

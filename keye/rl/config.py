@@ -150,7 +150,9 @@ class RaySection:
     num_cpus: int | None = None  # local cluster only: CPUs it offers (None: all of this machine's)
     learners: int = 1  # learner actors = ranks of one torch process group (train.strategy across them)
     rollout_workers: int = 1  # actors holding a whole-weight rollout engine (prompts split by index)
-    reward_workers: int = 2  # actors scoring in parallel (0: score in the driver)
+    # actors scoring in parallel, a share that dies or hangs re-run elsewhere (0: score in the driver; None: 2 in
+    # sync mode, 0 in async mode, whose driver has no other CPU-bound work)
+    reward_workers: int | None = None
     reward_timeout_s: float = 60.0  # a reward call slower than this is killed and re-run on a new worker
     max_restarts: int = 3  # restarts of one worker within one call (and of the learner group per run) before failing
     learner_cpus: float = 1.0

@@ -50,7 +50,7 @@ def _overrides(fx, out, *extra) -> list[str]:
             "rollout.max_new_tokens=160", f"replay.pool={fx['pool']}", "replay.M=1", "train.lr=1e-3",
             "algorithm.micro_batch_size=4", f"checkpoint.out_dir={out}", "log.progress=false", "train.device=cpu",
             "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={K}", "train.steps=4", "rl.ray.torch_threads=1",
-            *extra]
+            "rl.ray.reward_workers=0", *extra]
 
 
 def _check_log(out: Path, steps: int, k: int) -> list[dict]:
@@ -184,9 +184,16 @@ def test_dynamic_sampling_replaces_uninformative_groups_and_caps_each_update(fx,
     # examines max_rounds * B groups (the admission makes room for a new group per dropped one), trains none,
     # and the run still finishes instead of waiting for groups that can never come
     out = tmp_path / "ds"
+    seen: list[list[str]] = []  # the run's actors: the reward is scored by a reward worker here
+
+    def on_step(step, run):
+        seen.append(sorted(n for n in ray.util.list_named_actors() if n.startswith("keye-reward-")))
+
     summary = train(load_config(RLEPConfig, None, _overrides(
         fx, out, "rollout.max_new_tokens=8", "replay.enabled=false", "algorithm.dynamic_sampling=true",
-        "algorithm.max_rounds=2", "train.steps=2")))
+        "algorithm.max_rounds=2", "train.steps=2", "rl.ray.reward_workers=1", "rl.ray.reward_cpus=0.25",
+        "rl.ray.learner_cpus=0.5")), on_step=on_step)
+    assert seen == [["keye-reward-0-0"]] * 2
     assert summary["finished"] and summary["steps"] == 2
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     trained = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()] \

@@ -40,7 +40,7 @@ ENGINES = {
                  "rl.ray.placement_timeout_s=60", f"rl.ray.torch_threads={TORCH_THREADS}"),
     # answers long enough to be in flight (or waiting for their group) when the checkpoint is written
     "ray-async": ("rl.engine=ray", "rl.mode=async", "rl.max_staleness=1", "rollout.max_new_tokens=24",
-                  "rl.ray.torch_threads=1"),
+                  "rl.ray.torch_threads=1", "rl.ray.reward_workers=0"),
 }
 
 _DRIVER = """

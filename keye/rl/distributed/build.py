@@ -43,7 +43,7 @@ def check_ray_config(cfg: Any, world_size: int = 1) -> None:
     for key in ("learners", "rollout_workers"):
         if getattr(rs, key) < 1:
             raise KeyeConfigError(f"rl.ray.{key} must be >= 1, got {getattr(rs, key)}")
-    if rs.reward_workers < 0:
+    if rs.reward_workers is not None and rs.reward_workers < 0:
         raise KeyeConfigError(f"rl.ray.reward_workers must be >= 0 (0: score in the driver), got {rs.reward_workers}")
     if rs.max_restarts < 0:
         raise KeyeConfigError(f"rl.ray.max_restarts must be >= 0, got {rs.max_restarts}")
@@ -74,10 +74,10 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any, 
 
     ``rl.mode: sync``: a :class:`RemoteLearner`, a :class:`RemoteEngine` over the rollout workers, a
     :class:`RemoteScorer` (with ``rl.ray.reward_workers: 0`` the driver scores) in one placement group.
-    ``rl.mode: async``: the :class:`RemoteLearner` in a placement group of learner bundles only, and a
-    :class:`~keye.rl.distributed.stream_workers.StreamWorkerPool` as the engine (its workers are actors of their
-    own, started and replaced by the rollout manager; ``answer_length`` forces their answer lengths); the driver
-    scores, and prompt filtering runs in a one-off Ray task (:func:`filter_on_worker`).
+    ``rl.mode: async``: the :class:`RemoteLearner` and the reward workers in a placement group without rollout
+    bundles, and a :class:`~keye.rl.distributed.stream_workers.StreamWorkerPool` as the engine (its workers are
+    actors of their own, started and replaced by the rollout manager; ``answer_length`` forces their answer
+    lengths); prompt filtering runs in a one-off Ray task (:func:`filter_on_worker`).
     Either way no rollout model lives in the driver, only its evaluation copy (with ``eval.manifest``), and
     closing the components releases the actors (and a cluster this run started).
 
@@ -88,7 +88,7 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any, 
     from keye.rl.loop.state import filter_by_accuracy, step_seed
 
     check_ray_config(cfg, info.world_size)
-    rs = cfg.rl.ray
+    rs = replace(cfg.rl.ray, reward_workers=reward_worker_count(cfg))
     started = connect(rs)
     events = EventLog(Path(cfg.checkpoint.out_dir) / "ray_events.jsonl")
     session = None
@@ -101,20 +101,19 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any, 
 
     try:
         if cfg.rl.mode == "async":
-            # the learners' placement group only: rollout workers are started (and replaced) by the rollout
-            # manager as actors of their own, and the reward runs in the driver
-            session = RaySession(replace(rs, rollout_workers=0, reward_workers=0), events)
+            # no rollout bundles in the placement group: rollout workers are started (and replaced) by the rollout
+            # manager as actors of their own
+            session = RaySession(replace(rs, rollout_workers=0), events)
             learner = RemoteLearner(session, cfg, model_path)
             engine: Any = StreamWorkerPool(cfg, str(model_path), _processor_path(cfg), learner.dtype,
                                            Path(cfg.checkpoint.out_dir), answer_length)
-            scorer: Any = RewardScorer.from_config(cfg.reward)
+            scorer: Any = _scorer(cfg, rs, session)
         else:
             session = RaySession(rs, events)
             learner = RemoteLearner(session, cfg, model_path)
             engine = RemoteEngine(session, cfg, model_path, learner.dtype, step_seed(cfg.train.seed, 0, 0),
                                   broadcast=broadcast_backend(rs.weight_sync, learner.devices, session.rollout_gpus))
-            scorer = (RemoteScorer(session, RewardScorerFactory(cfg.reward), rs.reward_workers, rs.reward_timeout_s,
-                                   rs.max_restarts) if rs.reward_workers else RewardScorer.from_config(cfg.reward))
+            scorer = _scorer(cfg, rs, session)
     except BaseException:
         close()
         raise
@@ -128,6 +127,21 @@ def build_ray_components(cfg: Any, info: Any, model_path: Path, processor: Any, 
         def keep_informative(prompts: list[Any]) -> list[Any]:
             return filter_by_accuracy(prompts, engine, scorer, cfg.data, info)
     return Components(learner, engine, None, eval_model, scorer, keep_informative, on_close=close)
+
+
+def reward_worker_count(cfg: Any) -> int:
+    """``rl.ray.reward_workers``, or its default: 2 in sync mode, 0 (the driver scores) in async mode."""
+    n = cfg.rl.ray.reward_workers
+    return n if n is not None else (2 if cfg.rl.mode == "sync" else 0)
+
+
+def _scorer(cfg: Any, rs: Any, session: Any) -> Any:
+    """``rs.reward_workers`` reward actors behind a :class:`RemoteScorer` (a share that dies or takes longer than
+    ``rl.ray.reward_timeout_s`` is re-run on a new worker), or, with 0, the driver's own scorer."""
+    if not rs.reward_workers:
+        return RewardScorer.from_config(cfg.reward)
+    return RemoteScorer(session, RewardScorerFactory(cfg.reward), rs.reward_workers, rs.reward_timeout_s,
+                        rs.max_restarts)
 
 
 def _processor_path(cfg: Any) -> str:
