@@ -169,8 +169,18 @@ def test_an_example_clicked_right_after_load_is_kept(server):
         while not page.evaluate(EXAMPLE_ROWS + ".length"):
             assert time.monotonic() < deadline, page.text()[-500:]
             time.sleep(0.02)
-        x, y = page.evaluate("(() => { const r = " + EXAMPLE_ROWS + f"[{len(examples) - 1}].getBoundingClientRect();"
-                             " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        where = ("(() => { const r = " + EXAMPLE_ROWS + f"[{len(examples) - 1}].getBoundingClientRect();"
+                 " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        # Click where a person would: on the row once it has stopped moving (components above it still grow
+        # while their code loads), a fraction of a second after it appeared.
+        x, y = page.evaluate(where)
+        while True:
+            time.sleep(0.15)
+            now = page.evaluate(where)
+            if now == [x, y]:
+                break
+            assert time.monotonic() < deadline, "the examples never stopped moving"
+            x, y = now
         hit = page.evaluate(f"(() => {{ const e = document.elementFromPoint({x}, {y}); "
                             "return !!(e && e.closest('#keye-examples')); })()")
         for kind in ("mousePressed", "mouseReleased"):
