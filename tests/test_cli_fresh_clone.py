@@ -48,13 +48,30 @@ def test_benchmarks_read_no_data_they_do_not_make():
     assert "def synth_manifest" in readers.get("rl_async.py", "def synth_manifest")
 
 
-def test_readme_makes_the_synthetic_set_before_any_command_reads_it():
+def _readme_code() -> list[tuple[int, str]]:
+    """The README's command lines (inside code fences, comments left out), with their line numbers."""
     code, fenced = [], False
     for i, line in enumerate((REPO_ROOT / "README.md").read_text().splitlines()):
         if line.startswith("```"):
             fenced = not fenced
         elif fenced and not line.lstrip().startswith("#"):
-            code.append((i, line))
+            code.append((i, line.split("  #")[0]))
+    return code
+
+
+def test_readme_reads_only_runs_an_earlier_command_writes():
+    made, missing = set(), []
+    for _, line in _readme_code():
+        outputs = set(re.findall(r"(?:--out |checkpoint\.out_dir=)(runs/[\w.]+)", line))
+        for path in set(re.findall(r"runs/[\w.]+", line)) - outputs:
+            if path not in made:
+                missing.append(f"{path} in: {line.strip()}")
+        made |= outputs
+    assert not missing, missing
+
+
+def test_readme_makes_the_synthetic_set_before_any_command_reads_it():
+    code = _readme_code()
     makes = next(i for i, line in code if line.lstrip().startswith("keye data synth --out data/synth"))
     readers = [(i, line) for i, line in code if "data/synth/" in line]
     assert readers and all(i > makes for i, _ in readers), [line for i, line in readers if i < makes]
