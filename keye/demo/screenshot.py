@@ -206,16 +206,8 @@ class HeadlessPage:
         return out
 
 
-def capture(
-    url: str,
-    out: str | Path,
-    *,
-    wait_for: str | None = None,
-    timeout: float = 120.0,
-    size: tuple[int, int] = (1280, 1600),
-    settle: float = 1.0,
-    browser: str | None = None,
-) -> tuple[Path, str]:
+def capture(url: str, out: str | Path, *, wait_for: str | None = None, timeout: float = 120.0,
+            size: tuple[int, int] = (1280, 1600), settle: float = 1.0, browser: str | None = None) -> tuple[Path, str]:
     """Open ``url`` in headless Chromium, wait until the page text contains ``wait_for`` (if given), then
     ``settle`` more seconds, and write a full-window PNG of ``size`` (width, height) to ``out``. Returns
     ``(out, the page's text at the capture)``.
@@ -231,16 +223,8 @@ def capture(
         return page.capture(out), text
 
 
-def screenshot(
-    url: str,
-    out: str | Path,
-    *,
-    wait_for: str | None = None,
-    timeout: float = 120.0,
-    size: tuple[int, int] = (1280, 1600),
-    settle: float = 1.0,
-    browser: str | None = None,
-) -> Path:
+def screenshot(url: str, out: str | Path, *, wait_for: str | None = None, timeout: float = 120.0,
+               size: tuple[int, int] = (1280, 1600), settle: float = 1.0, browser: str | None = None) -> Path:
     """:func:`capture` without the page text: the PNG's path."""
     return capture(url, out, wait_for=wait_for, timeout=timeout, size=size, settle=settle, browser=browser)[0]
 
