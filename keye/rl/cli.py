@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from keye.errors import KeyeConfigError
-
-# Model configs bundled for offline planning of hub checkpoints: <repo root>/training/configs/models/<name>.json,
-# where <name> is the hub model name lower-cased with '-' and '.' as '_' (Keye-VL-1_5-8B -> keye_vl_1_5_8b).
-BUNDLED_CONFIGS = Path(__file__).resolve().parents[2] / "training" / "configs" / "models"
 
 
 def add_commands(subparsers: Any) -> None:
@@ -46,40 +41,12 @@ def add_commands(subparsers: Any) -> None:
     p.set_defaults(func=_plan)
 
 
-def _bundled_name(model_path: str) -> str:
-    return model_path.rstrip("/").split("/")[-1].lower().replace("-", "_").replace(".", "_")
-
-
 def resolve_model_config(model_path: str, explicit: str | None = None):
-    """The :class:`~keye.config.KeyeVLConfig` to plan for.
+    """The model config to plan for and its name: :func:`keye.train.plan.resolve_model_config` (imported here, not
+    at the top, so that ``keye --help`` imports no torch)."""
+    from keye.train.plan import resolve_model_config as resolve
 
-    In order: ``explicit`` (a config.json or its directory); ``model_path`` as a local checkpoint directory
-    (``keye-tiny`` included); the bundled ``training/configs/models/<name>.json`` of a hub id; the
-    config.json of a hub id already in the local Hugging Face cache. Nothing is downloaded.
-    """
-    from keye.config import KeyeVLConfig
-    from keye.tiny import resolve_model_path
-
-    if explicit:
-        return KeyeVLConfig.from_json_file(explicit), str(explicit)
-    local = Path(resolve_model_path(model_path))
-    if local.exists():
-        return KeyeVLConfig.from_json_file(local), str(model_path)
-    bundled = BUNDLED_CONFIGS / f"{_bundled_name(model_path)}.json"
-    if bundled.is_file():
-        return KeyeVLConfig.from_json_file(bundled), str(model_path)
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(model_path, "config.json")
-    except Exception:  # noqa: BLE001 - an invalid repo id or no hub client: same as "not cached"
-        cached = None
-    if isinstance(cached, str):
-        return KeyeVLConfig.from_json_file(cached), str(model_path)
-    raise KeyeConfigError(
-        f"model.path {model_path!r}: no local directory, no bundled config ({bundled.name} in "
-        f"training/configs/models) and no cached config.json; pass --model-config CONFIG_JSON"
-    )
+    return resolve(model_path, explicit)
 
 
 def build_plan(args):

@@ -24,226 +24,35 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from keye.config import KeyeVLConfig
 from keye.errors import KeyeConfigError
 
-GiB = 1024**3
+# the shared pieces live in the training floor (keye sft plan uses them too); re-exported here for existing callers
+from keye.train.plan import ADAMW_STATES as _ADAMW_STATES
+from keye.train.plan import (
+    FP32,
+    Activations,
+    GiB,
+    Item,
+    ParamCounts,
+    activation_bytes,
+    check_choice,
+    count_parameters,
+    decoder_layer_bytes_per_token,
+    dtype_bytes,
+    vision_layer_bytes_per_patch,
+)
+from keye.train.plan import Items as _Items
+
 STRATEGIES = ("fsdp2", "zero3", "ddp")
 REF_MODES = ("sharded", "cpu", "none")
 ENGINES = ("vllm", "keye")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_FP32 = 4  # RMSNorm / RoPE / softmax statistics are kept in float32 whatever the model dtype
-
-# Bytes kept per element by AdamW: exp_avg and exp_avg_sq, in the dtype of the parameter it updates.
-_ADAMW_STATES = 2
 
 # The log-softmax chunk holds two float32 [chunk, vocab] buffers at its peak, in the forward (log-probabilities and
 # probabilities for the entropy) and in the recomputing backward (the saved log-probabilities and the logits'
 # gradient): autograd frees each buffer as soon as its consumer has run. Counted from
 # keye.train.logprobs._chunk_stats and measured on CPU by tests/rl/test_plan.py.
 _CHUNK_F32_BUFFERS = 2
-
-
-def dtype_bytes(dtype: str | torch.dtype) -> int:
-    """Bytes per element of ``float32`` / ``bfloat16`` / ``float16`` (names or torch dtypes)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPE_BYTES:
-        raise KeyeConfigError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
-    return _DTYPE_BYTES[name]
-
-
-# ----------------------------------------------------------------------------------------- parameters
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts of one model, from its real module shapes.
-
-    Attributes:
-        shapes: ``(name, shape, trainable)`` of every unique parameter (a tied weight counted once).
-        towers: parameters per tower (``vision``, ``projector``, ``llm``).
-        decoder_layer / vision_layer: parameters of the largest decoder / vision encoder layer (FSDP2
-            shards each of these as its own unit).
-        root: parameters outside those layers (embeddings, ``lm_head``, final norms, projector, vision
-            embeddings): FSDP2's root unit.
-    """
-
-    shapes: tuple[tuple[str, tuple[int, ...], bool], ...]
-    towers: Mapping[str, int]
-    decoder_layer: int
-    vision_layer: int
-    root: int
-    root_trainable: int
-
-    @property
-    def total(self) -> int:
-        """All unique parameters."""
-        return sum(math.prod(s) for _, s, _ in self.shapes)
-
-    @property
-    def trainable(self) -> int:
-        """Parameters that receive gradients and optimizer state."""
-        return sum(math.prod(s) for _, s, t in self.shapes if t)
-
-    def sharded(self, world_size: int, *, trainable_only: bool = False) -> int:
-        """Elements one rank holds when every parameter is split on dim 0 into ``world_size`` equal chunks
-        (FSDP2's layout: ``ceil(dim0 / world)`` rows per rank, the last ranks' chunks padded)."""
-        if world_size < 1:
-            raise KeyeConfigError(f"world_size must be >= 1, got {world_size}")
-        n = 0
-        for _, shape, trainable in self.shapes:
-            if trainable_only and not trainable:
-                continue
-            rows = -(-shape[0] // world_size) if shape else 1
-            n += rows * math.prod(shape[1:])
-        return n
-
-    def flat_sharded(self, world_size: int, *, trainable_only: bool = False) -> int:
-        """Elements one rank holds when each parameter is flattened and split into ``world_size`` equal
-        pieces (DeepSpeed ZeRO-3's partitions: ``ceil(numel / world)``)."""
-        return sum(-(-math.prod(s) // world_size) for _, s, t in self.shapes if t or not trainable_only)
-
-
-def count_parameters(config: KeyeVLConfig, frozen: Sequence[str] = ()) -> ParamCounts:
-    """Count the parameters of ``KeyeVL(config)`` by building it on the meta device (no memory, exact shapes).
-
-    Args:
-        config: the model config (e.g. ``KeyeVLConfig.from_json_file("config.json")``).
-        frozen: towers without gradients (``vision``, ``projector``, ``llm``), as ``train.stage`` sets them.
-    """
-    from keye.model.keye_vl import KeyeVL
-    from keye.train.optim import TOWERS, tower_of
-
-    bad = sorted(set(frozen) - set(TOWERS))
-    if bad:
-        raise KeyeConfigError(f"frozen has unknown tower(s) {bad}; use {sorted(TOWERS)}")
-    with torch.device("meta"):
-        model = KeyeVL(config)
-    shapes, towers, seen = [], dict.fromkeys(TOWERS, 0), set()
-    for name, p in model.named_parameters():  # named_parameters() yields a tied weight once
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        tower = tower_of(name)
-        towers[tower] += p.numel()
-        shapes.append((name, tuple(p.shape), tower not in frozen))
-
-    def unit(layers) -> int:
-        return max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
-
-    in_layers = {id(p) for m in (model.model.layers, model.visual.vision_model.encoder.layers) for p in m.parameters()}
-    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
-    return ParamCounts(
-        shapes=tuple(shapes),
-        towers=towers,
-        decoder_layer=unit(model.model.layers),
-        vision_layer=unit(model.visual.vision_model.encoder.layers),
-        root=sum(p.numel() for _, p in root),
-        root_trainable=sum(p.numel() for n, p in root if tower_of(n) not in frozen),
-    )
-
-
-# ---------------------------------------------------------------------------------------- activations
-def decoder_layer_bytes_per_token(config: KeyeVLConfig, dtype: str) -> int:
-    """Bytes autograd saves per token in one decoder layer (``keye.model.text.DecoderLayer``, SDPA path).
-
-    Two RMSNorms (float32 input, normalised value, the output the next Linear saves: ``4D + 2bD`` each, plus
-    a float32 ``rsqrt`` per row), q and k through their per-head RMSNorm (float32 input + normalised value:
-    ``(4 + b)(Q + K)``, RoPE's multiplications save only the shared cos/sin), the rotated q and the
-    GQA-repeated k and v that SDPA saves with its output (``4bQ``, the output is also what ``o_proj`` saves:
-    SDPA returns it in ``[B, L, H, d]`` layout) and the float32 log-sum-exp per head, and the SwiGLU MLP
-    (gate, silu(gate), up, product: ``4bF``).
-    """
-    t, b = config.text, dtype_bytes(dtype)
-    d, f, q, k = t.hidden_size, t.intermediate_size, t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    norms = 2 * (_FP32 * d + 2 * b * d)
-    rows = _FP32 * (2 + t.num_attention_heads + t.num_key_value_heads)
-    qk = (_FP32 + b) * (q + k)
-    attn = 4 * b * q + _FP32 * t.num_attention_heads
-    return norms + rows + qk + attn + 4 * b * f
-
-
-def vision_layer_bytes_per_patch(config: KeyeVLConfig, dtype: str) -> int:
-    """Bytes autograd saves per patch in one vision encoder layer (``keye.model.vision.VisionEncoderLayer``).
-
-    Two LayerNorms (input + output, float32 mean / rstd: ``2bD + 8`` each), the three SDPA inputs gathered per
-    segment group (``3bD`` and the int64 gather index; RoPE's multiplications save only the shared cos/sin),
-    the attention output and the buffer ``out_proj`` saves (``2bD``) with the float32 log-sum-exp per head,
-    and the MLP (fc1 output, GELU output: ``2bF``).
-    """
-    v, b = config.vision, dtype_bytes(dtype)
-    d, f = v.hidden_size, v.intermediate_size
-    return 2 * (2 * b * d + 2 * _FP32) + 3 * b * d + 8 + 2 * b * d + _FP32 * v.num_attention_heads + 2 * b * f
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Activation bytes of one micro-batch's forward + backward on one rank (see :func:`activation_bytes`)."""
-
-    saved: int  # held from the end of the forward until the backward reaches each layer
-    backward_peak: int  # the peak during the backward: saved + the largest recompute / gradient working set
-    decoder_saved: int
-    vision_saved: int
-    mask_saved: int
-    other_saved: int
-
-
-def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences: int = 1, vision_patches: int = 0,
-                     response_tokens: int | None = None, padded: bool = True,
-                     gradient_checkpointing: bool = False, vision_frozen: bool = False) -> Activations:
-    """Activation memory of one training forward + backward (``KeyeVL.forward`` with the hidden states of
-    ``response_tokens`` gathered for the chunked log-probs, as :func:`keye.train.logprobs.token_logprobs` does).
-
-    Args:
-        tokens: decoder tokens of the micro-batch (``sequences x`` padded length for padded batches).
-        sequences: rows of the padded batch (the SDPA mask is ``[rows, 1, L, L]`` in the model dtype).
-        vision_patches: patches through the vision tower (4 per merged visual token).
-        response_tokens: tokens whose log-probs are taken (default: all ``tokens``).
-        padded: the batch has padding, so SDPA receives (and saves) a dense mask per layer.
-        gradient_checkpointing: each layer keeps only its input; the backward recomputes one layer at a time.
-        vision_frozen: the vision tower has no trainable parameter, so it saves nothing (the projector still does).
-
-    Without checkpointing every layer's saved tensors are alive at the end of the forward; with it, each
-    layer keeps its input (``bD`` per token, ``bDv`` per patch) and one layer's full set is rebuilt during the
-    backward. The backward peak adds the gradient buffers of one layer's backward: the residual stream's
-    gradient in and out and two MLP-wide gradients (``2bD + 2bF`` per token, ``2bDv + 2bFv`` per patch; the
-    MLP's saved inputs are released as its gradients appear, so no more are alive together).
-    """
-    if tokens < 0 or sequences < 1 or vision_patches < 0:
-        raise KeyeConfigError(f"tokens, vision_patches must be >= 0 and sequences >= 1, got {tokens}, "
-                              f"{vision_patches}, {sequences}")
-    t, v, b = config.text, config.vision, dtype_bytes(dtype)
-    resp = tokens if response_tokens is None else response_tokens
-    length = -(-tokens // sequences)
-    dec_layer = decoder_layer_bytes_per_token(config, dtype) * tokens
-    vis_layer = vision_layer_bytes_per_patch(config, dtype) * vision_patches
-    mask_layer = sequences * length * length * b if padded else 0
-    # once per forward: token ids (int64) and the placeholder mask of the embedding, cos/sin, final norm and its
-    # output (kept by the hidden states), the gathered response rows; vision: pixels, float32 cos/sin, the
-    # post-layernorm and the projector (pre-norm input + output, linear_1 output, GELU output per merged token)
-    per_token = 8 + 1 + 2 * b * t.head_dim + (_FP32 + 2 * b) * t.hidden_size + _FP32
-    m2 = v.spatial_merge_size**2
-    per_patch = 4 * b * v.hidden_size + (2 * _FP32) / m2
-    if vision_frozen:
-        vis_layer = 0
-    else:
-        per_patch += b * v.num_channels * v.patch_size**2 + 2 * _FP32 * v.head_dim + b * v.hidden_size + 2 * _FP32
-    other = int(per_token * tokens + b * t.hidden_size * resp + per_patch * vision_patches)
-    n_dec, n_vis = t.num_hidden_layers, v.num_hidden_layers
-    grads = (2 * b * t.hidden_size + 2 * b * t.intermediate_size) * tokens
-    if not vision_frozen:
-        grads += (2 * b * v.hidden_size + 2 * b * v.intermediate_size) * vision_patches
-    if gradient_checkpointing:
-        dec = n_dec * b * t.hidden_size * tokens
-        vis = 0 if vision_frozen else n_vis * b * v.hidden_size * vision_patches
-        saved = dec + vis + other
-        recompute = max(dec_layer + mask_layer, vis_layer)
-        return Activations(saved=saved, backward_peak=saved + recompute + grads, decoder_saved=dec,
-                           vision_saved=vis, mask_saved=0, other_saved=other)
-    dec, vis, mask = n_dec * dec_layer, n_vis * vis_layer, n_dec * mask_layer
-    saved = dec + vis + mask + other
-    return Activations(saved=saved, backward_peak=saved + grads, decoder_saved=dec, vision_saved=vis,
-                       mask_saved=mask, other_saved=other)
 
 
 def logprob_chunk_bytes(config: KeyeVLConfig, *, dtype: str, chunk: int | None, response_tokens: int) -> int:
@@ -256,20 +65,10 @@ def logprob_chunk_bytes(config: KeyeVLConfig, *, dtype: str, chunk: int | None, 
     rows = response_tokens if chunk is None else min(chunk, response_tokens)
     t = config.text
     head_grad = t.vocab_size * t.hidden_size * dtype_bytes(dtype) if rows < response_tokens else 0
-    return rows * t.vocab_size * _FP32 * _CHUNK_F32_BUFFERS + head_grad
+    return rows * t.vocab_size * FP32 * _CHUNK_F32_BUFFERS + head_grad
 
 
 # ------------------------------------------------------------------------------------------------- plan
-@dataclass
-class Item:
-    """One line of the plan: ``bytes`` on one GPU, in ``phase`` (``learner``, ``rollout`` or ``both``)."""
-
-    name: str
-    bytes: int
-    phase: str
-    note: str = ""
-
-
 @dataclass
 class MemoryPlan:
     """Per-GPU memory of an RL step on one learner rank (and on a rollout GPU when not colocated).
@@ -341,11 +140,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
-    if value not in choices:
-        raise KeyeConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
 _ROLLOUT_DEFAULTS = {"engine": "vllm", "colocated": True, "gpu_memory_utilization": "auto", "max_num_seqs": 256,
                      "max_model_len": 8192, "max_num_batched_tokens": 8192, "tensor_parallel_size": 1,
                      "kv_cache_dtype": "auto", "gpus": None, "max_batch_size": 64}
@@ -404,7 +198,7 @@ def plan_memory(
     b = dtype_bytes(dtype)
     counts = count_parameters(model_config, frozen)
     gpu = int(gpu_memory_gb * GiB)
-    master = master_weights or (strategy == "zero3" and b < _FP32)
+    master = master_weights or (strategy == "zero3" and b < FP32)
     acc = _Items()
     state = _resident_state(acc, counts, strategy=strategy, dtype=dtype, master=master, world=world_size, ref=ref,
                             overhead=int(overhead_gb * GiB))
@@ -435,25 +229,13 @@ def plan_memory(
                       params=counts, kv=kv_info, settings=settings)
 
 
-class _Items:
-    """The plan's items as they are added (GPU items, and host memory items)."""
-
-    def __init__(self) -> None:
-        self.items: list[Item] = []
-        self.host: list[Item] = []
-
-    def add(self, name: str, n: int, phase: str, note: str = "") -> int:
-        self.items.append(Item(name, int(n), phase, note))
-        return int(n)
-
-
 def _check_plan(strategy: str, optimizer: str, ref: str, world_size: int, micro_batch_tokens: int,
                 logprob_chunk: int | None, gpu_memory_gb: float, rollout: Mapping[str, Any] | None) -> dict[str, Any]:
     """Raise :class:`KeyeConfigError` for an argument :func:`plan_memory` cannot plan; returns the rollout
     settings with their defaults."""
-    _check_choice("strategy", strategy, STRATEGIES)
-    _check_choice("optimizer", optimizer, ("adamw",))
-    _check_choice("ref", ref, REF_MODES)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("optimizer", optimizer, ("adamw",))
+    check_choice("ref", ref, REF_MODES)
     if world_size < 1:
         raise KeyeConfigError(f"world_size must be >= 1, got {world_size}")
     if micro_batch_tokens < 1:
@@ -466,7 +248,7 @@ def _check_plan(strategy: str, optimizer: str, ref: str, world_size: int, micro_
     if unknown:
         raise KeyeConfigError(f"rollout has unknown key(s) {unknown}; known: {sorted(_ROLLOUT_DEFAULTS)}")
     ro = {**_ROLLOUT_DEFAULTS, **(rollout or {})}
-    _check_choice("rollout.engine", ro["engine"], ENGINES)
+    check_choice("rollout.engine", ro["engine"], ENGINES)
     if ro["gpu_memory_utilization"] != "auto" and not 0 < float(ro["gpu_memory_utilization"]) <= 1:
         raise KeyeConfigError(f"rollout.gpu_memory_utilization must be in (0, 1] or 'auto', got {ro['gpu_memory_utilization']!r}")
     return ro
@@ -477,7 +259,7 @@ def _resident_state(acc: _Items, counts: ParamCounts, *, strategy: str, dtype: s
     """What stays on a learner GPU in both phases (parameters, master weights, AdamW states, a sharded reference,
     the runtime overhead); returns the shard sizes the learner phase needs and ``resident`` bytes."""
     b, w = dtype_bytes(dtype), world
-    state_b = _FP32 if master else b  # gradients and AdamW states follow the master copy's dtype
+    state_b = FP32 if master else b  # gradients and AdamW states follow the master copy's dtype
     if strategy == "fsdp2":
         shard, shard_t = counts.sharded(w), counts.sharded(w, trainable_only=True)
         note = f"1/{w} of each parameter (dim-0 chunks)"
@@ -489,11 +271,11 @@ def _resident_state(acc: _Items, counts: ParamCounts, *, strategy: str, dtype: s
         note = "full replica"
     if strategy == "fsdp2" and master:
         # FSDP2 mixed precision: the sharded parameter *is* the float32 master; compute copies are gathered in dtype
-        params = acc.add("policy parameters (fp32 master shard)", _FP32 * shard, "both", note)
+        params = acc.add("policy parameters (fp32 master shard)", FP32 * shard, "both", note)
     else:
         params = acc.add(f"policy parameters ({dtype})", b * shard, "both", note)
         if master:
-            params += acc.add("fp32 master weights", _FP32 * shard_t, "both", note)
+            params += acc.add("fp32 master weights", FP32 * shard_t, "both", note)
     optim = acc.add("AdamW states (exp_avg, exp_avg_sq)", _ADAMW_STATES * state_b * shard_t, "both", note)
     ref_bytes = 0
     if ref == "sharded":
@@ -560,8 +342,8 @@ def _rollout_phase(acc: _Items, ro: dict[str, Any], model_config: KeyeVLConfig, 
         kv_info.update(tokens=nb * max_len, full_sequences=nb, wanted_tokens=nb * max_len)
         acc.add("keye decode KV cache", kv_bytes, "rollout", f"{nb} seqs x {max_len} tokens")
         gathered_r = b * (counts.root + 2 * max(counts.decoder_layer, counts.vision_layer)) if strategy != "ddp" else 0
-        acc.add("keye decode gathered params + logits", gathered_r + nb * t.vocab_size * _FP32 * 2, "rollout")
-        return kv_bytes + gathered_r + nb * t.vocab_size * _FP32 * 2, kv_info
+        acc.add("keye decode gathered params + logits", gathered_r + nb * t.vocab_size * FP32 * 2, "rollout")
+        return kv_bytes + gathered_r + nb * t.vocab_size * FP32 * 2, kv_info
     weights = b * counts.total // tp
     util = ro["gpu_memory_utilization"]
     if util == "auto":
@@ -580,7 +362,7 @@ def _rollout_phase(acc: _Items, ro: dict[str, Any], model_config: KeyeVLConfig, 
     d, f = t.hidden_size, t.intermediate_size
     q, k = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     fwd = int(ro["max_num_batched_tokens"]) * b * (2 * d + 3 * f + q + 2 * k) // tp
-    sampler = max_seqs * t.vocab_size * 2 * _FP32
+    sampler = max_seqs * t.vocab_size * 2 * FP32
     kv_tokens = max(0, (budget - weights - fwd - sampler) // kv_per_token)
     kv_bytes = kv_tokens * kv_per_token
     kv_info.update(tokens=int(kv_tokens), full_sequences=int(kv_tokens // max_len), wanted_tokens=max_len * max_seqs)
