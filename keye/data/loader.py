@@ -23,7 +23,6 @@ import os
 import random
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,8 +31,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from keye.data.collate import IGNORE_INDEX, collate_packed, collate_padded
-from keye.data.manifest import BadRow, Manifest, Sample, read_manifest
+from keye.data.manifest import BadRow, Manifest, Sample
 from keye.data.sampler import BalancedSampler
+from keye.data.table import (
+    CostColumns,
+    SampleTable,
+    cost_fingerprint,
+    estimate_costs,
+    merge_costs,
+    open_table,
+)
 from keye.errors import KeyeConfigError, KeyeInputError
 
 log = logging.getLogger(__name__)
@@ -51,14 +58,6 @@ class SupportsCost(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class _Item:
-    index: int
-    line: int
-    id: str
-    messages: list[dict[str, Any]]
-
-
 def _reseed(seed: int, epoch: int, mb: int) -> None:
     s = int(np.random.SeedSequence([seed, epoch, mb]).generate_state(1)[0])
     random.seed(s)
@@ -67,11 +66,12 @@ def _reseed(seed: int, epoch: int, mb: int) -> None:
 
 
 class _MicroBatchDataset(Dataset):
-    """Map-style dataset over one rank's remaining micro-batches of one epoch (runs in workers)."""
+    """Map-style dataset over one rank's remaining micro-batches of one epoch (runs in workers; each sample is
+    read from the table here, when its micro-batch is made)."""
 
     def __init__(
         self,
-        items: list[_Item],
+        table: SampleTable,
         processor: Any,
         plan: list[list[int]],
         start: int,
@@ -82,28 +82,32 @@ class _MicroBatchDataset(Dataset):
         epoch: int,
         processor_kwargs: dict[str, Any],
     ):
-        self.items, self.processor, self.plan, self.start = items, processor, plan, start
+        self.table, self.processor, self.plan, self.start = table, processor, plan, start
         self.packing, self.pad_token_id = packing, pad_token_id
         self.seed, self.epoch, self.kwargs = seed, epoch, processor_kwargs
 
     def __len__(self) -> int:
         return len(self.plan) - self.start
 
-    def _process(self, i: int) -> dict[str, Any]:
-        out = self.processor([self.items[i].messages], return_tensors="pt", for_training=True, **self.kwargs)
+    def _process(self, i: int, sample: Sample | None = None) -> dict[str, Any]:
+        sample = sample if sample is not None else self.table.sample(i)
+        out = self.processor([sample.messages], return_tensors="pt", for_training=True, **self.kwargs)
         return dict(out)
 
     def __getitem__(self, k: int) -> dict[str, Any]:
         mb = self.start + k
         _reseed(self.seed, self.epoch, mb)
-        outs, ids, bad = [], [], []
+        outs, ids, lines, bad = [], [], [], []
         for i in self.plan[mb]:
+            sample = None
             try:
-                outs.append(self._process(i))
+                sample = self.table.sample(i)
+                outs.append(self._process(i, sample))
                 ids.append(i)
-            except Exception as err:  # noqa: BLE001 - any decode/preprocess failure is a bad *sample*
-                it = self.items[i]
-                bad.append({"index": i, "line": it.line, "id": it.id, "reason": f"{type(err).__name__}: {err}"})
+                lines.append(sample.line)
+            except Exception as err:  # noqa: BLE001 - any read/decode/preprocess failure is a bad *sample*
+                line, sid = (sample.line, sample.id) if sample is not None else (0, self.table.where(i))
+                bad.append({"index": i, "line": line, "id": sid, "reason": f"{type(err).__name__}: {err}"})
         dummy = False
         if not outs:
             outs = [self._fallback(mb)]
@@ -116,7 +120,7 @@ class _MicroBatchDataset(Dataset):
             batch["num_samples"] = 0
             batch["num_label_tokens"] = 0
         batch["sample_ids"] = ids
-        batch["sample_lines"] = [self.items[i].line for i in ids]
+        batch["sample_lines"] = lines
         batch["bad"] = bad
         batch["epoch"] = self.epoch
         batch["micro_batch"] = mb
@@ -141,17 +145,20 @@ class KeyeDataLoader:
     """Iterable over this rank's micro-batches; one ``for`` loop = the rest of the current epoch.
 
     Attributes:
+        table: the :class:`~keye.data.table.SampleTable` samples are read from.
+        manifest: the parsed :class:`Manifest` when the table is one held in memory (a JSONL file), else ``None``.
         sampler: the :class:`BalancedSampler` (same plan on every rank).
-        costs: per-sample cost estimates (``None`` for samples excluded before training).
+        costs: per-sample cost columns (:class:`~keye.data.table.CostColumns`; ``costs[i]`` is ``None`` for
+            samples excluded before training).
         bad_rows: every bad sample so far (plan-time and load-time), as :class:`BadRow`.
     """
 
     def __init__(
         self,
-        manifest: Manifest,
+        table: SampleTable,
         processor: Any,
         sampler: BalancedSampler,
-        costs: list[Any | None],
+        costs: CostColumns,
         plan_bad: list[BadRow],
         *,
         packing: bool,
@@ -163,12 +170,12 @@ class KeyeDataLoader:
         processor_kwargs: dict[str, Any] | None = None,
         bad_log: str | os.PathLike[str] | None = None,
     ):
-        self.manifest, self.processor, self.sampler, self.costs = manifest, processor, sampler, costs
+        self.table, self.processor, self.sampler, self.costs = table, processor, sampler, costs
+        self.manifest: Manifest | None = getattr(table, "manifest", None)
         self.packing, self.num_workers, self.prefetch_factor = packing, num_workers, prefetch_factor
         self.pin_memory, self.max_bad_fraction, self.pad_token_id = pin_memory, max_bad_fraction, pad_token_id
         self.processor_kwargs = dict(processor_kwargs or {})
         self.bad_log = Path(bad_log) if bad_log is not None else None
-        self.items = [_Item(s.index, s.line, s.id, s.messages) for s in manifest.samples]
         self.plan_bad = list(plan_bad)
         self.load_bad: list[BadRow] = []
         self.epoch = 0
@@ -190,7 +197,7 @@ class KeyeDataLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         plan = self.sampler.micro_batches_for(self.epoch)
         ds = _MicroBatchDataset(
-            self.items,
+            self.table,
             self.processor,
             plan,
             self.position,
@@ -245,7 +252,7 @@ class KeyeDataLoader:
 
     def bad_fraction(self) -> float:
         """Bad samples / all samples attempted so far (plan-time bad rows count against the whole manifest)."""
-        n_rows = len(self.manifest.samples) + len(self.manifest.bad_rows)
+        n_rows = self.table.num_rows
         plan_frac = len(self.plan_bad) / max(1, n_rows)
         att = self.epoch_samples_ok + self.epoch_samples_bad
         load_frac = self.epoch_samples_bad / att if att else 0.0
@@ -262,7 +269,7 @@ class KeyeDataLoader:
                 f"{frac:.1%} of samples are bad, above max_bad_fraction={self.max_bad_fraction:.1%} "
                 f"({len(self.plan_bad)} rejected before training, {self.samples_bad} failed to load); "
                 f"first: {examples}",
-                path=self.manifest.path,
+                path=self.table.path,
             )
 
     # ------------------------------------------------------------------ resume
@@ -276,7 +283,7 @@ class KeyeDataLoader:
             "position": self.position,
             "world_size": self.sampler.world_size,
             "rank": self.sampler.rank,
-            "num_samples": len(self.items),
+            "num_samples": len(self.table),
             "counters": {
                 "samples_ok": self.samples_ok,
                 "samples_bad": self.samples_bad,
@@ -299,7 +306,7 @@ class KeyeDataLoader:
         for key, mine in (
             ("seed", self.sampler.seed),
             ("world_size", self.sampler.world_size),
-            ("num_samples", len(self.items)),
+            ("num_samples", len(self.table)),
         ):
             if state[key] != mine:
                 raise KeyeConfigError(f"loader state has {key}={state[key]} but this loader has {key}={mine}")
@@ -317,7 +324,7 @@ class KeyeDataLoader:
         """Run summary: counts of samples loaded and skipped, and why they were skipped."""
         reasons = Counter(_reason_key(b.reason) for b in self.plan_bad + self.load_bad)
         return {
-            "manifest": str(self.manifest.path),
+            "manifest": str(self.table.path),
             "rank": self.sampler.rank,
             "world_size": self.sampler.world_size,
             "epoch": self.epoch,
@@ -360,50 +367,56 @@ def _dist_layout(world_size: int | None, rank: int | None) -> tuple[int, int]:
 
 
 def estimate_all(
-    manifest: Manifest, cost_model: SupportsCost, *, shard: tuple[int, int] = (0, 1)
-) -> tuple[list[Any | None], list[BadRow]]:
+    table: SampleTable | Manifest, cost_model: SupportsCost, *, shard: tuple[int, int] = (0, 1)
+) -> tuple[CostColumns, list[BadRow]]:
     """Run the cost model over the samples of one shard (``index % n == k`` for ``shard=(k, n)``).
 
-    Returns per-sample costs (``None`` for samples outside the shard or rejected) and the rejected samples
-    as :class:`BadRow` (the cost model raises :class:`KeyeInputError` for missing/corrupt media and for
-    media the processor's sizing rules refuse).
+    Returns the cost columns (``costs[i]`` is ``None`` for samples outside the shard or rejected) and the
+    rejected samples as :class:`BadRow` (the cost model raises :class:`KeyeInputError` for missing/corrupt
+    media and for media the processor's sizing rules refuse).
     """
-    k, n = shard
-    costs: list[Any | None] = [None] * len(manifest.samples)
-    bad: list[BadRow] = []
-    for s in manifest.samples[k::n]:
-        try:
-            costs[s.index] = cost_model.estimate(s)
-        except KeyeInputError as err:
-            bad.append(BadRow(s.line, err.reason, s.id))
-    return costs, bad
+    return estimate_costs(open_table(table), cost_model, shard=shard)
 
 
 def _estimate_distributed(
-    manifest: Manifest, cost_model: SupportsCost, world_size: int, rank: int
-) -> tuple[list[Any | None], list[BadRow]]:
+    table: SampleTable, cost_model: SupportsCost, world_size: int, rank: int
+) -> tuple[CostColumns, list[BadRow]]:
     """Each rank probes/estimates 1/world of the samples, then all ranks exchange results, so a cold probe
     cache costs every rank 1/world of the work (falls back to all samples without a matching process group).
     """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size > 1):
-        return estimate_all(manifest, cost_model)
-    costs, bad = estimate_all(manifest, cost_model, shard=(rank, world_size))
-    mine = ({i: c for i, c in enumerate(costs) if c is not None}, bad)
+        return estimate_costs(table, cost_model, progress=len(table) >= 10_000)
+    cols, bad = estimate_costs(table, cost_model, shard=(rank, world_size), progress=len(table) >= 10_000)
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine)
-    merged: list[Any | None] = [None] * len(manifest.samples)
-    all_bad: list[BadRow] = []
-    for part, part_bad in gathered:
-        for i, c in part.items():
-            merged[i] = c
-        all_bad += part_bad
-    all_bad.sort(key=lambda b: b.line)
+    dist.all_gather_object(gathered, (cols, bad))
+    merged = merge_costs([g[0] for g in gathered])
+    all_bad = sorted((b for g in gathered for b in g[1]), key=lambda b: b.line)
     return merged, all_bad
 
 
+def _table_costs(
+    table: SampleTable, processor: Any, cost_model: SupportsCost | None, probe_cache: Any,
+    processor_kwargs: dict[str, Any] | None, world_size: int, rank: int,
+) -> tuple[CostColumns, list[BadRow]]:
+    """The cost columns of ``table``: the ones stored in an index when they were made for this processor and
+    thinking mode (and no other cost model was asked for), else estimated now (split over the ranks)."""
+    if cost_model is None:
+        from keye.data.cost import CostModel
+
+        mode = (processor_kwargs or {}).get("mode")  # the cost model must render prompts as the loader will
+        cost_model = CostModel.from_processor(processor, cache=probe_cache, mode=mode)
+        stored = table.stored_costs(cost_fingerprint(cost_model))
+        if stored is not None:
+            return stored, []
+    if len(table) >= 10_000:
+        log.warning("estimating the costs of %d samples now (%s); build an index with 'keye data index "
+                    "--processor ...' for this processor to skip this", len(table), table.path)
+    return _estimate_distributed(table, cost_model, world_size, rank)
+
+
 def build_dataloader(
-    manifest: str | os.PathLike[str] | Manifest,
+    manifest: str | os.PathLike[str] | Manifest | SampleTable,
     processor: Any,
     *,
     root: str | os.PathLike[str] | None = None,
@@ -429,7 +442,10 @@ def build_dataloader(
     """Build the training loader for this rank.
 
     Args:
-        manifest: JSONL path (or an already parsed :class:`Manifest`).
+        manifest: an index directory made by ``keye data index`` (samples are read lazily, each by the rank and
+            worker that trains it; its stored costs are used when made for this processor and mode), a JSONL
+            path (read whole: small sets), an already parsed :class:`Manifest`, or any
+            :class:`~keye.data.table.SampleTable`.
         processor: a :class:`keye.processing.KeyeProcessor` (or anything called as
             ``processor([messages], return_tensors="pt", for_training=True)`` returning a dict with
             ``input_ids`` [1, L] and optionally ``labels`` and media tensors).
@@ -443,8 +459,9 @@ def build_dataloader(
         packing: ``True`` -> one packed row per micro-batch; ``False`` -> padded batch.
         pin_memory: default ``torch.cuda.is_available()``.
         group_key: manifest field (e.g. ``"group"``) whose equal values stay on one rank (RL groups).
+        cost_model: default :class:`keye.data.cost.CostModel` built from ``processor`` (an explicit one is always
+            run, even over an index with stored costs).
         max_bad_fraction: fail (``KeyeInputError``) when more than this share of samples is bad.
-        cost_model: default :class:`keye.data.cost.CostModel` built from ``processor``.
         probe_cache: a :class:`keye.data.probe.ProbeCache` (default: the user cache).
         bad_log: optional JSONL file receiving one line per skipped sample.
 
@@ -452,45 +469,38 @@ def build_dataloader(
         KeyeInputError: unreadable manifest, or too many bad rows before training starts.
         KeyeConfigError: inconsistent batching arguments.
     """
-    man = manifest if isinstance(manifest, Manifest) else read_manifest(manifest, root)
+    table = open_table(manifest, root)
     world_size, rank = _dist_layout(world_size, rank)
-    if cost_model is None:
-        from keye.data.cost import CostModel
-
-        mode = (processor_kwargs or {}).get("mode")  # the cost model must render prompts as the loader will
-        cost_model = CostModel.from_processor(processor, cache=probe_cache, mode=mode)
-    costs, cost_bad = _estimate_distributed(man, cost_model, world_size, rank)
-    plan_bad = list(man.bad_rows) + cost_bad
-    n_rows = len(man.samples) + len(man.bad_rows)
+    costs, cost_bad = _table_costs(table, processor, cost_model, probe_cache, processor_kwargs, world_size, rank)
+    plan_bad = list(table.bad_rows) + cost_bad
+    n_rows = table.num_rows
     if n_rows and len(plan_bad) / n_rows > max_bad_fraction:
         examples = "; ".join(str(b) for b in plan_bad[:5])
         raise KeyeInputError(
             f"{len(plan_bad)} of {n_rows} rows are unusable ({len(plan_bad) / n_rows:.1%} > "
             f"max_bad_fraction={max_bad_fraction:.1%}); first: {examples}",
-            path=man.path,
+            path=table.path,
         )
     for b in plan_bad:
         log.warning("skipping bad row: %s", b)
-    excluded = [i for i, c in enumerate(costs) if c is None]
-    tokens = [c.tokens if c is not None else 0 for c in costs]
-    flops = [c.flops if c is not None else 0.0 for c in costs]
+    tokens, flops = costs.tokens, costs.flops
     groups: Sequence[object] | None = None
     if group_key is not None:
-        groups = [s.row.get(group_key) for s in man.samples]
+        groups = table.column(group_key)
     sampler = BalancedSampler(
         tokens, flops, world_size=world_size, rank=rank, batch_size=batch_size, batch_tokens=batch_tokens,
-        micro_batches=micro_batches, groups=groups, exclude=excluded, seed=seed, shuffle=shuffle, fill=fill,
+        micro_batches=micro_batches, groups=groups, exclude=costs.excluded, seed=seed, shuffle=shuffle, fill=fill,
         length_grouped=not packing and batch_size is not None and micro_batches > 1,
     )
     for i in sampler.too_long:
-        s = man.samples[i]
+        s = table.sample(i)
         plan_bad.append(BadRow(s.line, f"sample has {tokens[i]} tokens, more than batch_tokens={batch_tokens}", s.id))
     tok = getattr(processor, "tokenizer", None)
     pad_id = getattr(tok, "pad_token_id", None)
     if pad_id is None:
         pad_id = 0
     return KeyeDataLoader(
-        man,
+        table,
         processor,
         sampler,
         costs,
