@@ -147,17 +147,17 @@ def _reduce_loss(total: torch.Tensor, n_target: float, reduction: str) -> torch.
     return total
 
 
-def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                  reduction: str, label_smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
-    """``(loss, target count)`` of next-token cross entropy from the full logits [B, L, V]: position t predicts
-    ``labels[:, t + 1]`` (:func:`shifted_targets`), in float32. ``reduction``: "mean" over the targets or "sum".
-    The reference the chunked loss (``loss_request``, :mod:`keye.train.loss`) is checked against."""
-    shift_labels = shifted_targets(labels, cu_seqlens)
-    shift_logits = logits[:, :-1].float()
-    n_target = int((shift_labels != -100).sum())
+def _target_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str,
+                 label_smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
+    """``(loss, target count)`` of the cross entropy of ``logits`` [B, L, V] against ``targets`` [B, T] (T <= L,
+    position t predicts ``targets[:, t]``, -100: none; the next-token targets are :func:`shifted_targets`), in
+    float32. ``reduction``: "mean" over the targets or "sum". The reference the chunked loss (``loss_request``,
+    :mod:`keye.train.loss`) is checked against."""
+    shift_logits = logits[:, : targets.shape[1]].float()
+    n_target = int((targets != -100).sum())
     loss = F.cross_entropy(
         shift_logits.reshape(-1, shift_logits.shape[-1]),
-        shift_labels.reshape(-1).to(shift_logits.device),
+        targets.reshape(-1).to(shift_logits.device),
         ignore_index=-100,
         reduction="sum",
         label_smoothing=label_smoothing,
@@ -325,6 +325,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         self, input_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+        vision_split: Any = None,
     ) -> torch.Tensor:
         """Token embeddings with image/video features written into their placeholder slots.
 
@@ -334,6 +335,10 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         with weight 0 - in training, and in evaluation too when ``collective_forward`` is also set (sharded
         weights: every forward gathers them collectively): every rank then runs the same modules in the same
         order.
+
+        ``vision_split`` (the forward's ``context_parallel``): an object whose
+        ``encode_vision(encode, pixels, grids, merge_size)`` runs ``encode`` (tower + projector) on its share of the
+        items and returns every item's features in order (split over a group of ranks, gathered with a backward).
         """
         embeds = self.model.embed_tokens(input_ids)
         for pix, tok, kind in ((pixel_values, self.config.image_token_id, "image"),
@@ -360,7 +365,12 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
                 feats = self.mlp_AR(self.visual(dummy, [(1, m, m)]), [(1, m, m)])
                 embeds = embeds + 0.0 * feats.sum().to(embeds.dtype)
             return embeds
-        feats = self.mlp_AR(self.visual(torch.cat(pieces) if len(pieces) > 1 else pieces[0], grids), grids)
+        pixels = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if vision_split is None:
+            feats = self.mlp_AR(self.visual(pixels, grids), grids)
+        else:
+            feats = vision_split.encode_vision(lambda pix, g: self.mlp_AR(self.visual(pix, g), g), pixels, grids,
+                                               self.config.vision.spatial_merge_size)
         m2 = self.config.vision.spatial_merge_size ** 2
         start = 0
         for kind, n_items in counts:
@@ -418,6 +428,7 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         text_token_mask: torch.Tensor | None = None,
         loss_request: Any = None,
         label_smoothing: float = 0.0,
+        context_parallel: Any = None,
     ) -> KeyeOutput:
         """One forward pass.
 
@@ -458,6 +469,12 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
                 (or the last ``logits_to_keep`` positions). Values and gradients equal the full path's. Inside the
                 forward for the same reason as ``logprob_request``.
             label_smoothing: the cross entropy's label smoothing (as ``F.cross_entropy``'s), on either path.
+            context_parallel: a :class:`keye.train.context_parallel.ContextParallel` (packed rows only): every rank
+                of its group passes the same whole row; the vision items are encoded split over the group, the
+                decoder runs on this rank's slice of the row (attention all-to-all over heads, packed-sample
+                boundaries and 3-D positions those of the whole row) and ``loss`` / ``num_target_tokens`` /
+                ``hidden_states`` / ``logits`` / ``position_ids`` are this rank's slice's (sum the losses over the
+                group; ``loss_reduction="sum"``).
         """
         del num_frames, return_dict
         cache = self._forward_cache(cache, past_key_values, use_cache)
@@ -469,6 +486,9 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             seq_lens = [int(x) for x in (seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens)]
             if cache is not None:
                 raise KeyeInputError("packed sequences (seq_lens) cannot be used with a KV cache")
+        if context_parallel is not None and (not packed or attention_override is not None or logprob_request is not None):
+            raise KeyeInputError("context_parallel needs a packed row (seq_lens) and neither attention_override nor "
+                                 "logprob_request")
 
         pos_ids = input_ids
         if text_token_mask is not None and input_ids is not None and bool(text_token_mask.any()):
@@ -476,18 +496,27 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             pos_ids = input_ids.masked_fill(text_token_mask.to(input_ids.device), 0)
         if inputs_embeds is None:
             inputs_embeds = self._forward_embeds(input_ids, pos_ids, text_token_mask, past, pixel_values,
-                                                 image_grid_thw, pixel_values_videos, video_grid_thw)
+                                                 image_grid_thw, pixel_values_videos, video_grid_thw, context_parallel)
         if position_ids is None:
             position_ids, rope_deltas = self._forward_positions(
                 pos_ids, inputs_embeds, past, rope_deltas, image_grid_thw, video_grid_thw, second_per_grid_ts,
                 None if packed else attention_mask, seq_lens if packed else None,
             )
-        inv_freq = text_inv_freq(self.config.text.head_dim, self.config.text.rope_theta, device=inputs_embeds.device)
-        cos, sin = mrope_cos_sin(position_ids, inv_freq, self.config.text.mrope_section, inputs_embeds.dtype)
-
         cu_seqlens = None
         if packed:
             cu_seqlens = torch.tensor([0, *seq_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+        targets = None  # aligned with the hidden states: position t predicts targets[:, t]
+        if context_parallel is not None:
+            # this rank's slice of the row; the override attends over the whole row's samples
+            full_targets = shifted_targets(labels, cu_seqlens) if labels is not None else None
+            inputs_embeds, position_ids, targets, attention_override = context_parallel.split_row(
+                inputs_embeds, position_ids, full_targets, cu_seqlens, self.model.layers[0].self_attn.backend)
+            attention_mask = cu_seqlens = None
+        elif labels is not None:
+            targets = shifted_targets(labels, cu_seqlens)
+        inv_freq = text_inv_freq(self.config.text.head_dim, self.config.text.rope_theta, device=inputs_embeds.device)
+        cos, sin = mrope_cos_sin(position_ids, inv_freq, self.config.text.mrope_section, inputs_embeds.dtype)
+
         key_mask = attention_mask
         if key_mask is not None and cache is None and bool(key_mask.all()):
             key_mask = None
@@ -503,12 +532,11 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden if logits_to_keep <= 0 else hidden[:, -logits_to_keep:])
         loss = n_target = None
         if loss_request is not None:
-            shifted = shifted_targets(labels, cu_seqlens) if labels is not None else None
-            total, n_target = loss_request.compute(hidden, self.lm_head, shifted, label_smoothing)
+            total, n_target = loss_request.compute(hidden, self.lm_head, targets, label_smoothing)
             loss = _reduce_loss(total, n_target, loss_reduction)
         elif labels is not None:
             full_logits = logits if logits is not None and logits_to_keep <= 0 else self.lm_head(hidden)
-            loss, n_target = _shifted_loss(full_logits, labels, cu_seqlens, loss_reduction, label_smoothing)
+            loss, n_target = _target_loss(full_logits, targets, loss_reduction, label_smoothing)
         return KeyeOutput(
             logits=logits, loss=loss, num_target_tokens=n_target, rope_deltas=rope_deltas,
             position_ids=position_ids, cache=cache, hidden_states=hidden if output_hidden_states else None,
@@ -526,13 +554,13 @@ class KeyeVL(PreTrainedModel, GenerationMixin):
         return cache
 
     def _forward_embeds(self, input_ids, pos_ids, text_token_mask, past, pixel_values, image_grid_thw,
-                        pixel_values_videos, video_grid_thw) -> torch.Tensor:
+                        pixel_values_videos, video_grid_thw, vision_split=None) -> torch.Tensor:
         """Input embeddings: at prefill (``past == 0``) text and vision features merged (``pos_ids``: the ids
         with placeholders sampled as text masked off), positions in ``text_token_mask`` embedded as the
         tokens they are; while decoding the token embeddings alone."""
         if past != 0:
             return self.model.embed_tokens(input_ids)
-        embeds = self.embed(pos_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        embeds = self.embed(pos_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, vision_split)
         if pos_ids is not input_ids:
             raw = self.model.embed_tokens(input_ids)
             embeds = torch.where(text_token_mask.to(raw.device)[..., None], raw, embeds)
