@@ -42,6 +42,9 @@ class TrainSection(OptimSection):
     # (keye.train.loss): never the full [tokens, vocabulary] logits. null: the full-logits path (the reference).
     loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
     label_smoothing: float = 0.0  # as F.cross_entropy's; 0 = off
+    # Split each packed row over this many consecutive ranks (keye.train.context_parallel: Ulysses all-to-all over
+    # the attention heads, vision items split and gathered); the world is world / N data-parallel replicas.
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, bool):
@@ -50,6 +53,16 @@ class TrainSection(OptimSection):
             raise KeyeConfigError(f"train.loss_chunk_tokens must be >= 1 or null, got {self.loss_chunk_tokens}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise KeyeConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.context_parallel < 1:
+            raise KeyeConfigError(f"train.context_parallel must be >= 1, got {self.context_parallel}")
+        if self.context_parallel > 1 and self.strategy not in ("ddp", "fsdp2"):
+            raise KeyeConfigError(
+                f"train.context_parallel={self.context_parallel} needs train.strategy ddp or fsdp2 (got "
+                f"{self.strategy!r}): the ranks of a group must have their gradients averaged over the whole world; "
+                "DeepSpeed ZeRO is not wired for it (fsdp2 shards like ZeRO-3)")
+        if self.context_parallel > 1 and self.tree == "on":
+            raise KeyeConfigError("train.context_parallel > 1 cannot run shared-prefix trees (train.tree: on); use "
+                                  "train.tree: off")
 
 
 @dataclass
@@ -62,6 +75,11 @@ class SFTConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+
+    def __post_init__(self) -> None:
+        if self.train.context_parallel > 1 and not (self.data.packing and self.data.batch_tokens):
+            raise KeyeConfigError(f"train.context_parallel={self.train.context_parallel} splits packed rows: it needs "
+                                  "data.packing: true with data.batch_tokens (not data.batch_size)")
 
 
 __all__ = ["DataSection", "SFTConfig", "TrainSection"]
