@@ -58,6 +58,8 @@ def split_into_bins(
     """
     if len(weights) < n_bins:
         raise KeyeConfigError(f"cannot fill {n_bins} bins from {len(weights)} items")
+    if n_bins == 1 and (capacity is None or sizes is None or sum(sizes) <= capacity):
+        return [list(range(len(weights)))], []  # everything fits the one bin
     sizes = sizes if sizes is not None else [0] * len(weights)
     order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
     bins: list[list[int]] = [[] for _ in range(n_bins)]

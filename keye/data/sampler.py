@@ -1,7 +1,8 @@
 """The epoch plan: which samples each rank processes in each micro-batch of each global step.
 
-Every rank builds the *same* plan from (seed, epoch, per-sample tokens and costs) and keeps its own part,
-so no communication is needed and the plan is reproducible for resume. One epoch:
+The plan is a pure function of (seed, epoch, per-sample tokens and costs, layout), so it is reproducible for
+resume; the loader plans once per epoch on rank 0 and broadcasts it (every rank could plan the same plan on
+its own). One epoch:
 
 1. The balancing units (single samples, or whole RL groups when ``groups`` is given) are shuffled with
    ``numpy.random.default_rng([seed, epoch])``.
@@ -17,17 +18,31 @@ so no communication is needed and the plan is reproducible for resume. One epoch
 
 Every sample of the epoch is in exactly one micro-batch of exactly one rank; every rank runs the same number
 of micro-batches (``len(steps) * micro_batches``), which data-parallel training requires.
+
+Planning is linear in the number of samples: the units live in numpy arrays (no Python object per sample
+outside the step being planned), the step cuts come from running sums (``searchsorted`` on cumulative token and
+sample counts) and the counts of what is left are kept as running totals. The plan is the same, step for step,
+as the earlier planner that rescanned the remaining queue every step (``benchmarks/plan_epoch.py`` compares
+them). The finished plan is stored as flat arrays (:class:`EpochPlan`).
+
+Elastic resume: :meth:`BalancedSampler.plan` takes ``done`` (samples of the epoch already trained, e.g. under
+another number of ranks) and ``limit`` (only samples ``< limit`` take part, the rows the epoch started with
+when the manifest grew since); the rest of the epoch is planned in the epoch's own shuffled order. When what
+is left cannot give every rank ``micro_batches`` samples, the plan has one step in which some micro-batches
+are empty (the loader runs an all-masked micro-batch there, as for a micro-batch whose samples all failed).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from keye.data.balance import balance
+from keye.data.balance import balance_units, lpt
 from keye.data.packing import split_into_bins
 from keye.errors import KeyeConfigError
 
@@ -42,15 +57,114 @@ class StepPlan:
 
 @dataclass
 class EpochPlan:
-    """All global steps of one epoch plus the samples excluded from it (longer than ``batch_tokens``)."""
+    """All global steps of one epoch, stored flat, plus the samples excluded from it (longer than
+    ``batch_tokens``).
+
+    Attributes:
+        epoch: the epoch number.
+        world_size, micro_batches: the layout the plan is for.
+        samples: int64 sample indices, step-major, then rank, then micro-batch (each micro-batch ascending).
+        bounds: int64 offsets into ``samples``, length ``n_steps * world_size * micro_batches + 1``: micro-batch
+            ``m`` of rank ``r`` in step ``s`` is ``samples[bounds[k]:bounds[k + 1]]``, ``k = (s*W + r)*M + m``.
+        overfull: bool per step (see :class:`StepPlan`).
+        too_long: sample indices left out of every epoch for exceeding ``batch_tokens``.
+    """
 
     epoch: int
-    steps: list[StepPlan]
+    world_size: int
+    micro_batches: int
+    samples: np.ndarray
+    bounds: np.ndarray
+    overfull: np.ndarray
     too_long: list[int] = field(default_factory=list)
+
+    @property
+    def n_steps(self) -> int:
+        """Global steps in the epoch."""
+        return len(self.overfull)
+
+    @property
+    def steps(self) -> list[StepPlan]:
+        """The steps as nested lists (built on each access; for inspection and tests)."""
+        W, M = self.world_size, self.micro_batches
+        b = self.bounds.tolist()
+        flat = self.samples.tolist()
+        return [
+            StepPlan([[flat[b[(s * W + r) * M + m]: b[(s * W + r) * M + m + 1]] for m in range(M)] for r in range(W)],
+                     bool(self.overfull[s]))
+            for s in range(self.n_steps)
+        ]
 
     def rank_micro_batches(self, rank: int) -> list[list[int]]:
         """This rank's micro-batches in execution order (step-major)."""
-        return [mb for s in self.steps for mb in s.ranks[rank]]
+        W, M = self.world_size, self.micro_batches
+        k = (np.arange(self.n_steps)[:, None] * W + rank) * M + np.arange(M)[None, :]
+        starts, ends = self.bounds[k.ravel()].tolist(), self.bounds[k.ravel() + 1].tolist()
+        flat = self.samples
+        return [flat[a:b].tolist() for a, b in zip(starts, ends)]
+
+    def consumed(self, position: int) -> np.ndarray:
+        """The samples every rank has been handed once each rank ran its first ``position`` micro-batches
+        (int64, ascending)."""
+        W, M = self.world_size, self.micro_batches
+        full, part = divmod(int(position), M)
+        parts = [self.samples[: self.bounds[full * W * M]]]
+        if part and full < self.n_steps:
+            for r in range(W):
+                k = (full * W + r) * M
+                parts.append(self.samples[self.bounds[k]: self.bounds[k + part]])
+        return np.sort(np.concatenate(parts))
+
+
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(x) + 1, np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+class _Queue:
+    """The units still to plan in one epoch: deferred units (``front``) before the untouched rest of the shuffled
+    order (positions ``pos..n``), with the counts of what is left kept as running sums."""
+
+    def __init__(self, ptr: np.ndarray, tokens: np.ndarray):
+        self.size = np.diff(ptr)
+        self.tok = tokens
+        self.cum_size = _cumsum0(self.size)
+        self.cum_tok = _cumsum0(tokens)
+        self.front: deque[int] = deque()
+        self.pos, self.n = 0, len(self.size)
+        self.front_samples = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.front) or self.pos < self.n
+
+    def units_left(self) -> int:
+        return len(self.front) + self.n - self.pos
+
+    def samples_left(self) -> int:
+        return self.front_samples + int(self.cum_size[self.n] - self.cum_size[self.pos])
+
+    def pop_front(self) -> int:
+        u = self.front.popleft()
+        self.front_samples -= int(self.size[u])
+        return u
+
+    def push_front(self, u: int) -> None:
+        self.front.appendleft(u)
+        self.front_samples += int(self.size[u])
+
+    def take_range(self, k: int) -> list[int]:
+        k = max(0, min(k, self.n - self.pos))
+        out = list(range(self.pos, self.pos + k))
+        self.pos += k
+        return out
+
+    def take_all(self) -> list[int]:
+        out = list(self.front) + list(range(self.pos, self.n))
+        self.front.clear()
+        self.front_samples = 0
+        self.pos = self.n
+        return out
 
 
 class BalancedSampler:
@@ -59,7 +173,8 @@ class BalancedSampler:
     Args:
         tokens: per-sample sequence length (exact token count), length N.
         costs: per-sample compute estimate (e.g. FLOPs), length N; balanced across ranks.
-        world_size, rank: data-parallel layout (rank in [0, world_size)).
+        world_size, rank: data-parallel layout (rank in [0, world_size)); with context-parallel groups these
+            count groups, not processes (see :func:`keye.data.loader.build_dataloader`'s ``group_size``).
         batch_size: samples per rank per micro-batch on average (padded or packed training), or
         batch_tokens: token budget of one micro-batch (one packed row) - give exactly one of the two.
         micro_batches: micro-batches per rank per global step (gradient accumulation).
@@ -78,8 +193,8 @@ class BalancedSampler:
 
     def __init__(
         self,
-        tokens: Sequence[int],
-        costs: Sequence[float],
+        tokens: Sequence[int] | np.ndarray,
+        costs: Sequence[float] | np.ndarray,
         *,
         world_size: int = 1,
         rank: int = 0,
@@ -87,7 +202,7 @@ class BalancedSampler:
         batch_tokens: int | None = None,
         micro_batches: int = 1,
         groups: Sequence[object] | None = None,
-        exclude: Sequence[int] = (),
+        exclude: Sequence[int] | np.ndarray = (),
         seed: int = 0,
         shuffle: bool = True,
         fill: float = 0.9,
@@ -105,81 +220,149 @@ class BalancedSampler:
             raise KeyeConfigError("batch_tokens must be >= 1")
         if not 0.0 < fill <= 1.0:
             raise KeyeConfigError(f"fill must be in (0, 1], got {fill}")
-        self.tokens = [int(t) for t in tokens]
-        self.costs = [float(c) for c in costs]
+        if length_grouped and batch_tokens is not None:
+            raise KeyeConfigError("length_grouped applies to batch_size mode (padded training)")
+        self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.costs = np.asarray(costs, dtype=np.float64).reshape(-1)
         self.world_size, self.rank = world_size, rank
         self.batch_size, self.batch_tokens = batch_size, batch_tokens
         self.micro_batches = micro_batches
         self.seed, self.shuffle, self.fill = seed, shuffle, fill
-        if length_grouped and batch_tokens is not None:
-            raise KeyeConfigError("length_grouped applies to batch_size mode (padded training)")
         self.length_grouped = length_grouped
-        excluded = set(int(i) for i in exclude)
-        self.too_long = sorted(
-            i for i, t in enumerate(self.tokens) if batch_tokens is not None and t > batch_tokens and i not in excluded
-        )
-        excluded |= set(self.too_long)
-        units: dict[object, list[int]] = {}
-        for i in range(len(self.tokens)):
-            if i in excluded:
-                continue
-            key = ("g", groups[i]) if groups is not None and groups[i] is not None else ("s", i)
-            units.setdefault(key, []).append(i)
-        self.units = list(units.values())
-        self.n_samples = sum(len(u) for u in self.units)
-        if self.n_samples < world_size * micro_batches or len(self.units) < world_size:
+        self.groups = groups
+        n = len(self.tokens)
+        if groups is not None and len(groups) != n:
+            raise KeyeConfigError(f"groups has {len(groups)} entries for {n} samples")
+        usable = np.ones(n, bool)
+        ex = np.asarray(exclude, dtype=np.int64).reshape(-1)
+        usable[ex[(ex >= 0) & (ex < n)]] = False
+        long = self.tokens > batch_tokens if batch_tokens is not None else np.zeros(n, bool)
+        self.too_long = np.flatnonzero(long & usable).tolist()
+        self.usable = usable & ~long
+        self._units: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        ptr, _ = self._unit_table(n)
+        self.n_units = len(ptr) - 1
+        self.n_samples = int(self.usable.sum())
+        if self.n_samples < world_size * micro_batches or self.n_units < world_size:
             raise KeyeConfigError(
-                f"{self.n_samples} usable samples in {len(self.units)} unit(s) cannot feed {world_size} rank(s) "
+                f"{self.n_samples} usable samples in {self.n_units} unit(s) cannot feed {world_size} rank(s) "
                 f"x {micro_batches} micro-batch(es)"
             )
-        self._cache: dict[int, EpochPlan] = {}
+        self._cache: dict[tuple, EpochPlan] = {}
+
+    # ------------------------------------------------------------------ units
+    def _unit_table(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Units of the samples ``< limit`` as CSR arrays (``members[ptr[u]:ptr[u+1]]``), in order of first
+        appearance; cached per ``limit``."""
+        if limit in self._units:
+            return self._units[limit]
+        idx = np.flatnonzero(self.usable[:limit])
+        if self.groups is None:
+            table = (np.arange(len(idx) + 1, dtype=np.int64), idx.astype(np.int64))
+        else:
+            units: dict[object, list[int]] = {}
+            for i in idx.tolist():
+                g = self.groups[i]
+                units.setdefault(("g", g) if g is not None else ("s", i), []).append(i)
+            lists = list(units.values())
+            ptr = _cumsum0(np.fromiter((len(u) for u in lists), np.int64, len(lists)))
+            members = np.fromiter((i for u in lists for i in u), np.int64, int(ptr[-1]))
+            table = (ptr, members)
+        self._units[limit] = table
+        return table
+
+    def _epoch_units(self, epoch: int, limit: int, done: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's units in shuffled order as CSR arrays, without the samples in ``done``."""
+        ptr, members = self._unit_table(limit)
+        n_units = len(ptr) - 1
+        order = np.arange(n_units)
+        if self.shuffle:
+            order = np.random.default_rng([int(self.seed), int(epoch)]).permutation(n_units)
+        size = np.diff(ptr)[order]
+        new_ptr = _cumsum0(size)
+        gather = np.repeat(ptr[:-1][order] - new_ptr[:-1], size) + np.arange(int(new_ptr[-1]))
+        mem = members[gather]
+        if done is not None and len(done):
+            keep = ~np.isin(mem, done)
+            unit_of = np.repeat(np.arange(n_units), size)
+            kept = np.bincount(unit_of[keep], minlength=n_units)
+            mem = mem[keep]
+            new_ptr = _cumsum0(kept[kept > 0])
+        return new_ptr, mem
 
     # ------------------------------------------------------------------ planning
-    def _unit_tokens(self, u: int) -> int:
-        return sum(self.tokens[i] for i in self.units[u])
-
-    def _take(self, queue: deque[int]) -> list[int]:
-        min_units = self.world_size * self.micro_batches
+    def _take(self, q: _Queue) -> list[int]:
+        """Cut the next step's units off the queue (running sums instead of rescans)."""
+        W, M = self.world_size, self.micro_batches
+        min_units = W * M
         take: list[int] = []
         if self.batch_size is not None:
-            want = self.world_size * self.micro_batches * self.batch_size
+            want = W * M * self.batch_size
             n = 0
-            while queue and (n < want or len(take) < self.world_size):
-                take.append(queue.popleft())
-                n += len(self.units[take[-1]])
+            while q.front and (n < want or len(take) < W):
+                take.append(q.pop_front())
+                n += int(q.size[take[-1]])
+            if not q.front and (n < want or len(take) < W):
+                # Smallest k with n + (samples of the next k units) >= want, and at least W units in all.
+                k1 = int(np.searchsorted(q.cum_size, q.cum_size[q.pos] + want - n, side="left")) - q.pos
+                take += q.take_range(max(k1 if n < want else 0, W - len(take)))
         else:
-            budget = self.fill * self.world_size * self.micro_batches * self.batch_tokens
+            budget = self.fill * W * M * self.batch_tokens
+            # used + t <= budget for integers is used + t <= floor(budget): exact integer cuts below.
+            budget_int = math.floor(budget)
             used = 0
-            while queue and (len(take) < min_units or used + self._unit_tokens(queue[0]) <= budget):
-                u = queue.popleft()
+            while q.front and (len(take) < min_units or used + int(q.tok[q.front[0]]) <= budget):
+                u = q.pop_front()
                 take.append(u)
-                used += self._unit_tokens(u)
-        if sum(len(self.units[u]) for u in queue) < min_units or len(queue) < self.world_size:
-            take.extend(queue)  # tail too small for a step of its own
-            queue.clear()
+                used += int(q.tok[u])
+            if not q.front:
+                first = q.take_range(min_units - len(take))
+                take += first
+                if first:
+                    used += int(q.cum_tok[q.pos] - q.cum_tok[first[0]])
+                # The next units while they fit: cumulative tokens are non-decreasing, so "take while the
+                # next one fits" is the longest prefix whose running sum stays within the budget.
+                end = int(np.searchsorted(q.cum_tok, budget_int - used + int(q.cum_tok[q.pos]), side="right")) - 1
+                take += q.take_range(end - q.pos)
+        if q.samples_left() < min_units or q.units_left() < W:
+            take += q.take_all()  # tail too small for a step of its own
         return take
 
-    def _plan_step(self, take: list[int], queue: deque[int]) -> StepPlan:
-        items = [i for u in take for i in self.units[u]]
-        unit_of = {i: u for u in take for i in self.units[u]}
-        groups = [unit_of[i] for i in items]
-        per_rank = balance(
-            [self.costs[i] for i in items], self.world_size, groups=groups, min_per_rank=self.micro_batches
-        )
+    def _unit_cost(self, mem: np.ndarray, ptr: np.ndarray, u: int) -> float:
+        a, b = int(ptr[u]), int(ptr[u + 1])
+        if b - a == 1:
+            return float(self.costs[mem[a]])
+        return float(sum(self.costs[mem[a:b]].tolist()))  # left-to-right, as the unit's members are listed
+
+    def _plan_step(self, take: list[int], q: _Queue, ptr: np.ndarray, mem: np.ndarray) -> StepPlan:
+        W, M = self.world_size, self.micro_batches
+        tokens, costs = self.tokens, self.costs
+        t = np.asarray(take, dtype=np.int64)
+        if self.groups is None:  # one sample per unit
+            first = mem[ptr[t]]
+            members = [[i] for i in first.tolist()]
+            ucost = self.costs[first].tolist()
+            usize = [1] * len(take)
+        else:
+            members = [mem[ptr[u]: ptr[u + 1]].tolist() for u in take]
+            ucost = [self._unit_cost(mem, ptr, u) for u in take]
+            usize = [len(m) for m in members]
+        per_rank = balance_units(ucost, usize, W, min_per_rank=M)
+        unit_of: dict[int, int] = {}
+        for u, m in zip(take, members):
+            for i in m:
+                unit_of[i] = u
         ranks: list[list[list[int]]] = []
         over_items: list[list[int]] = []
         for share in per_rank:
-            idx = [items[k] for k in share]
+            idx = [i for k in sorted(share) for i in members[k]]  # item order: as taken
             if self.length_grouped:
-                by_len = sorted(idx, key=lambda i: (self.tokens[i], i))
-                ranks.append([sorted(c.tolist()) for c in np.array_split(np.asarray(by_len), self.micro_batches)])
+                by_len = sorted(idx, key=lambda i: (tokens[i], i))
+                ranks.append([sorted(c.tolist()) for c in np.array_split(np.asarray(by_len), M)])
                 over_items.append([])
                 continue
             bins, over = split_into_bins(
-                [self.costs[i] for i in idx],
-                self.micro_batches,
-                sizes=[self.tokens[i] for i in idx],
-                capacity=self.batch_tokens,
+                costs[idx].tolist(), M, sizes=tokens[idx].tolist(), capacity=self.batch_tokens
             )
             ranks.append([[idx[k] for k in b] for b in bins])
             over_items.append([idx[k] for k in over])
@@ -194,8 +377,8 @@ class BalancedSampler:
                     if mb and all(unit_of[i] in deferred for i in mb):
                         deferred -= {unit_of[i] for i in mb}
                         changed = True
-        rest = sum(len(self.units[u]) for u in queue) + sum(len(self.units[u]) for u in deferred)
-        if deferred and (rest < self.world_size * self.micro_batches or len(queue) + len(deferred) < self.world_size):
+        rest = q.samples_left() + sum(int(q.size[u]) for u in deferred)
+        if deferred and (rest < W * M or q.units_left() + len(deferred) < W):
             deferred = set()
         overfull = False
         for r, mbs in enumerate(ranks):
@@ -205,34 +388,80 @@ class BalancedSampler:
                 if unit_of[i] in deferred:
                     continue
                 overfull = True
-                light = min(range(self.micro_batches), key=lambda m: (sum(self.tokens[j] for j in mbs[m]), m))
+                light = min(range(M), key=lambda m: (int(tokens[mbs[m]].sum()) if mbs[m] else 0, m))
                 mbs[light].append(i)
             for mb in mbs:
                 mb.sort()
-        for u in sorted(deferred, key=take.index, reverse=True):
-            queue.appendleft(u)
+        pos = {u: k for k, u in enumerate(take)}
+        for u in sorted(deferred, key=pos.__getitem__, reverse=True):
+            q.push_front(u)
         return StepPlan(ranks, overfull)
 
-    def plan(self, epoch: int) -> EpochPlan:
-        """The full (all-rank) plan of ``epoch``; cached."""
-        if epoch in self._cache:
-            return self._cache[epoch]
-        order = np.arange(len(self.units))
-        if self.shuffle:
-            order = np.random.default_rng([int(self.seed), int(epoch)]).permutation(len(self.units))
-        queue: deque[int] = deque(int(u) for u in order)
+    def _sparse_step(self, take: list[int], ptr: np.ndarray, mem: np.ndarray) -> StepPlan:
+        """The rest of a resumed epoch when it cannot give every rank ``micro_batches`` samples: one step, units
+        to ranks by cost (LPT), each rank's samples one per micro-batch while they last (so some micro-batches
+        are empty), a rank with more samples than micro-batches split by cost as usual."""
+        W, M = self.world_size, self.micro_batches
+        members = [mem[ptr[u]: ptr[u + 1]].tolist() for u in take]
+        ucost = [float(sum(self.costs[m].tolist())) for m in members]
+        ranks: list[list[list[int]]] = []
+        overfull = False
+        for share in lpt(ucost, W):
+            idx = sorted(i for k in share for i in members[k])
+            if len(idx) < M:
+                ranks.append([[i] for i in idx] + [[] for _ in range(M - len(idx))])
+                continue
+            bins, over = split_into_bins(self.costs[idx].tolist(), M, sizes=self.tokens[idx].tolist(),
+                                         capacity=self.batch_tokens)
+            mbs = [[idx[k] for k in b] for b in bins]
+            for k in over:
+                overfull = True
+                min(mbs, key=lambda mb: int(self.tokens[mb].sum())).append(idx[k])
+            ranks.append([sorted(mb) for mb in mbs])
+        return StepPlan(ranks, overfull)
+
+    def plan(self, epoch: int, *, done: np.ndarray | Sequence[int] | None = None,
+             limit: int | None = None) -> EpochPlan:
+        """The full (all-rank) plan of ``epoch``; cached (the latest one).
+
+        Args:
+            epoch: the epoch.
+            done: samples of this epoch already trained (a resumed epoch): left out, the rest planned in the
+                epoch's shuffled order.
+            limit: only samples ``< limit`` take part (the rows the epoch started with; default all).
+        """
+        limit = len(self.tokens) if limit is None else int(limit)
+        done_arr = None if done is None else np.unique(np.asarray(done, dtype=np.int64))
+        key = (int(epoch), limit, None if done_arr is None else hashlib.sha1(done_arr.tobytes()).hexdigest())
+        if key in self._cache:
+            return self._cache[key]
+        ptr, mem = self._epoch_units(epoch, limit, done_arr)
+        tok = np.add.reduceat(self.tokens[mem], ptr[:-1]) if len(mem) else np.zeros(0, np.int64)
+        q = _Queue(ptr, tok)
+        W, M = self.world_size, self.micro_batches
         steps: list[StepPlan] = []
-        while queue:
-            take = self._take(queue)
-            steps.append(self._plan_step(take, queue))
-        plan = EpochPlan(epoch, steps, list(self.too_long))
-        self._cache = {epoch: plan}  # keep only the current epoch
+        if q and (q.samples_left() < W * M or q.units_left() < W):
+            steps.append(self._sparse_step(q.take_all(), ptr, mem))
+        while q:
+            steps.append(self._plan_step(self._take(q), q, ptr, mem))
+        plan = _flatten(epoch, steps, W, M, self.too_long)
+        self._cache = {key: plan}  # keep only the current epoch
         return plan
 
-    def micro_batches_for(self, epoch: int) -> list[list[int]]:
-        """This rank's micro-batches of ``epoch`` in order (each a list of sample indices)."""
-        return self.plan(epoch).rank_micro_batches(self.rank)
+    def micro_batches_for(self, epoch: int, **kw: object) -> list[list[int]]:
+        """This rank's micro-batches of ``epoch`` in order (each a list of sample indices); ``kw`` as in
+        :meth:`plan`."""
+        return self.plan(epoch, **kw).rank_micro_batches(self.rank)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         """Micro-batches per epoch for this rank (epoch 0; other epochs may differ in ``batch_tokens`` mode)."""
-        return len(self.micro_batches_for(0))
+        return self.plan(0).n_steps * self.micro_batches
+
+
+def _flatten(epoch: int, steps: list[StepPlan], W: int, M: int, too_long: list[int]) -> EpochPlan:
+    lengths = [len(mb) for s in steps for r in s.ranks for mb in r]
+    flat = [i for s in steps for r in s.ranks for mb in r for i in mb]
+    return EpochPlan(
+        epoch, W, M, np.asarray(flat, dtype=np.int64), _cumsum0(np.asarray(lengths, dtype=np.int64)),
+        np.asarray([s.overfull for s in steps], dtype=bool), list(too_long),
+    )
