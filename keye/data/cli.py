@@ -2,7 +2,8 @@
 
 ::
 
-    keye data check MANIFEST [--root DIR] [--processor DIR] [--json]
+    keye data check MANIFEST|INDEX [--root DIR] [--processor DIR] [--json]
+    keye data index SOURCES... --out DIR [--processor DIR] [--mode MODE] [--workers N] [--root DIR]
     keye data synth --out data/synth --train 20000 --test 1000 --seed 0 [--workers N] [--image-fraction 0.1]
                     [--warmup N] [--modes [--auto-labels type|mixed]] [--places]
     keye data clip-filter MANIFEST --out KEPT.jsonl --checkpoint CLIP.pt --model ViT-B-32 --threshold 0.3
@@ -24,20 +25,38 @@ OPT_IN_TYPES = ("price_sum", "when_gap", "when_sum")
 
 
 def add_commands(subparsers: Any) -> None:
-    """Add ``keye data {check,synth,clip-filter,autothink}`` to the top-level ``keye`` parser."""
+    """Add ``keye data {check,index,synth,clip-filter,autothink}`` to the top-level ``keye`` parser."""
     data = subparsers.add_parser(
-        "data", help="training data: check manifests, synthetic set, CLIP filter, AutoThink mode labels")
+        "data", help="training data: check manifests, index large sets, synthetic set, CLIP filter, AutoThink labels")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.set_defaults(func=lambda a: (data.print_help(), 2)[1])
 
-    p = sub.add_parser("check", help="list every bad row of a manifest and summarise it (exit 1 if any is bad)")
-    p.add_argument("manifest", help="JSONL manifest to check")
+    p = sub.add_parser("check", help="list every bad row of a manifest or index and summarise it (exit 1 if any is "
+                       "bad); streams, so memory stays bounded at any size")
+    p.add_argument("manifest", help="JSONL manifest, or an index folder made by 'keye data index'")
     p.add_argument("--root", default=None, help="directory media paths are relative to (default: manifest dir)")
     p.add_argument("--processor", default=None, help="processor/checkpoint dir for exact token counts")
     p.add_argument("--cache", default=None, help="probe cache file (default ~/.cache/keye/probe.sqlite)")
     p.add_argument("--max-rows", type=int, default=50, help="bad rows to print")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes probing a JSONL manifest's rows (default: all CPUs; 0 = in-process)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_check)
+
+    p = sub.add_parser("index", help="index a training set of any size (JSONL files or shards, Parquet, WebDataset "
+                       "tars, saved datasets, fsspec URLs) into a memory-mapped folder the loader reads lazily")
+    p.add_argument("sources", nargs="+", help="files, folders, globs, saved datasets folders or fsspec URLs")
+    p.add_argument("--out", required=True, help="index folder (created; an existing index there gains new shards)")
+    p.add_argument("--processor", default=None,
+                   help="processor/checkpoint dir the training run uses, so the stored costs are the loader's "
+                        "(default: the approximate stand-in of 'keye data check'; the loader then re-estimates)")
+    p.add_argument("--mode", default=None, help="thinking mode the run's processor renders with (data.processor_kwargs)")
+    p.add_argument("--root", default=None, help="directory media paths are relative to (default: each shard's dir)")
+    p.add_argument("--workers", type=int, default=None, help="processes probing rows (default: all CPUs; 0 = in-process)")
+    p.add_argument("--cache", default=None, help="probe cache file (default ~/.cache/keye/probe.sqlite)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_index)
 
     p = sub.add_parser("synth", help="generate the synthetic video-QA set")
     p.add_argument("--out", required=True, help="output folder (train.jsonl, test.jsonl and the media)")
@@ -163,7 +182,7 @@ def _add_autothink(sub: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from keye.data.manifest import check_manifest
+    from keye.data.check import check_source
     from keye.data.probe import ProbeCache
 
     proc = None
@@ -171,13 +190,23 @@ def _check(args: argparse.Namespace) -> int:
         from keye.processing.processor import KeyeProcessor
 
         proc = KeyeProcessor.from_pretrained(args.processor)
-    rep = check_manifest(args.manifest, args.root, processor=proc, cache=ProbeCache(args.cache))
+    rep = check_source(args.manifest, args.root, processor=proc, cache=ProbeCache(args.cache), workers=args.workers,
+                       progress=not args.no_progress and not args.json)
     if args.json:
         bad = [{"line": b.line, "id": b.id, "reason": b.reason} for b in rep.bad_rows]
         print(json.dumps({"bad_rows": bad, "summary": rep.summary}, indent=2))
     else:
         print(rep.format(args.max_rows))
     return 1 if rep.bad_rows else 0
+
+
+def _index(args: argparse.Namespace) -> int:
+    from keye.data.index import build_index
+
+    rep = build_index(args.sources, args.out, processor=args.processor, mode=args.mode, root=args.root,
+                      workers=args.workers, cache=args.cache, progress=not args.no_progress)
+    print(rep.format())
+    return 0
 
 
 def parse_type_weights(items: list[str]) -> dict[str, float] | None:
