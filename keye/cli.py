@@ -31,6 +31,7 @@ _AREAS = (
     "keye.data.cli",  # keye data check / synth / clip-filter / autothink
     "keye.recipes.cli",  # keye train sft / rlep, keye rlep collect, keye init, keye merge
     "keye.rl.cli",  # keye rl plan
+    "keye.sft.cli",  # keye sft plan
     "keye.eval.cli",  # keye eval mmmu / mathvista / videoqa / synth / score
     "keye.demo.cli",  # keye demo, keye chat
     "keye.serve.cli",  # keye serve

@@ -62,6 +62,7 @@ class ParamCounts:
     vision_layer: int
     root: int
     root_trainable: int
+    matmul: frozenset[str] = frozenset()  # parameters of nn.Linear / nn.Conv modules (what autocast casts)
 
     @property
     def total(self) -> int:
@@ -119,6 +120,9 @@ def count_parameters(config: KeyeVLConfig, frozen: Sequence[str] = ()) -> ParamC
     def unit(layers) -> int:
         return max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
 
+    matmul = frozenset(f"{mod_name}.{n}" if mod_name else n for mod_name, mod in model.named_modules()
+                       if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d))
+                       for n, _ in mod.named_parameters(recurse=False))
     in_layers = {id(p) for m in (model.model.layers, model.visual.vision_model.encoder.layers) for p in m.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
     return ParamCounts(
@@ -128,6 +132,7 @@ def count_parameters(config: KeyeVLConfig, frozen: Sequence[str] = ()) -> ParamC
         vision_layer=unit(model.visual.vision_model.encoder.layers),
         root=sum(p.numel() for _, p in root),
         root_trainable=sum(p.numel() for n, p in root if tower_of(n) not in frozen),
+        matmul=matmul,
     )
 
 
@@ -178,7 +183,8 @@ class Activations:
 
 def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences: int = 1, vision_patches: int = 0,
                      response_tokens: int | None = None, padded: bool = True,
-                     gradient_checkpointing: bool = False, vision_frozen: bool = False) -> Activations:
+                     gradient_checkpointing: bool = False, vision_frozen: bool = False,
+                     amp: bool = False) -> Activations:
     """Activation memory of one training forward + backward (``KeyeVL.forward`` with the hidden states of
     ``response_tokens`` gathered for the chunked log-probs, as :func:`keye.train.logprobs.token_logprobs` does).
 
@@ -190,6 +196,11 @@ def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences
         padded: the batch has padding, so SDPA receives (and saves) a dense mask per layer.
         gradient_checkpointing: each layer keeps only its input; the backward recomputes one layer at a time.
         vision_frozen: the vision tower has no trainable parameter, so it saves nothing (the projector still does).
+        amp: float32 weights under bf16 autocast (``dtype`` bf16; the SFT recipe outside ZeRO). The residual streams
+            are then float32: each RMSNorm / LayerNorm keeps its normalised value in float32 and every Linear
+            that reads a norm's output saves its own bf16 cast of it (``+10D`` per token per decoder layer: q, k,
+            v and gate, up; ``+8Dv`` per patch per vision layer), the text cos/sin are float32 (``+4 head_dim``),
+            the gathered target rows float32 (``+2D`` each), and a checkpointed layer keeps a float32 input.
 
     Without checkpointing every layer's saved tensors are alive at the end of the forward; with it, each
     layer keeps its input (``bD`` per token, ``bDv`` per patch) and one layer's full set is rebuilt during the
@@ -203,27 +214,29 @@ def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences
     t, v, b = config.text, config.vision, dtype_bytes(dtype)
     resp = tokens if response_tokens is None else response_tokens
     length = -(-tokens // sequences)
-    dec_layer = decoder_layer_bytes_per_token(config, dtype) * tokens
-    vis_layer = vision_layer_bytes_per_patch(config, dtype) * vision_patches
+    amp = amp and b == 2
+    dec_layer = (decoder_layer_bytes_per_token(config, dtype) + (10 * t.hidden_size if amp else 0)) * tokens
+    vis_layer = (vision_layer_bytes_per_patch(config, dtype) + (8 * v.hidden_size if amp else 0)) * vision_patches
     mask_layer = sequences * length * length * b if padded else 0
     # once per forward: token ids (int64) and the placeholder mask of the embedding, cos/sin, final norm and its
     # output (kept by the hidden states), the gathered response rows; vision: pixels, float32 cos/sin, the
     # post-layernorm and the projector (pre-norm input + output, linear_1 output, GELU output per merged token)
-    per_token = 8 + 1 + 2 * b * t.head_dim + (FP32 + 2 * b) * t.hidden_size + FP32
+    per_token = 8 + 1 + 2 * (FP32 if amp else b) * t.head_dim + (FP32 + 2 * b) * t.hidden_size + FP32
     m2 = v.spatial_merge_size**2
     per_patch = 4 * b * v.hidden_size + (2 * FP32) / m2
     if vision_frozen:
         vis_layer = 0
     else:
         per_patch += b * v.num_channels * v.patch_size**2 + 2 * FP32 * v.head_dim + b * v.hidden_size + 2 * FP32
-    other = int(per_token * tokens + b * t.hidden_size * resp + per_patch * vision_patches)
+    other = int(per_token * tokens + (FP32 if amp else b) * t.hidden_size * resp + per_patch * vision_patches)
     n_dec, n_vis = t.num_hidden_layers, v.num_hidden_layers
     grads = (2 * b * t.hidden_size + 2 * b * t.intermediate_size) * tokens
     if not vision_frozen:
         grads += (2 * b * v.hidden_size + 2 * b * v.intermediate_size) * vision_patches
     if gradient_checkpointing:
-        dec = n_dec * b * t.hidden_size * tokens
-        vis = 0 if vision_frozen else n_vis * b * v.hidden_size * vision_patches
+        rb = FP32 if amp else b  # the residual stream a checkpointed layer keeps as its input
+        dec = n_dec * rb * t.hidden_size * tokens
+        vis = 0 if vision_frozen else n_vis * rb * v.hidden_size * vision_patches
         saved = dec + vis + other
         recompute = max(dec_layer + mask_layer, vis_layer)
         return Activations(saved=saved, backward_peak=saved + recompute + grads, decoder_saved=dec,
