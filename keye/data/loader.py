@@ -10,6 +10,13 @@ and decodes/preprocesses micro-batches in worker processes. The returned :class:
   exactly the samples, in the same micro-batches, that an uninterrupted run would have seen; all
   randomness (shuffle, and torch/numpy/python RNG inside preprocessing, reseeded per micro-batch) derives
   from (seed, epoch, micro-batch index);
+* resumes elastically: a state saved under another number of data-parallel ranks (or groups), micro-batches
+  or batch size trains the rest of that epoch - every sample it had not yet handed out, once - under the new
+  layout, and plans the epochs after it as usual; a state saved before the manifest grew finishes its epoch
+  over the rows it started with (new rows join from the next epoch);
+* plans each epoch once, on global rank 0, and broadcasts the plan; with ``group_size`` > 1, consecutive
+  ranks form data-parallel groups (context parallelism) whose first rank reads and decodes and sends the
+  collated micro-batches to the others (:mod:`keye.data.groups`);
 * skips samples that fail (malformed rows, missing or corrupt media at probe time, decode errors at load
   time), logs each with its manifest line and reason, counts them in ``summary()``, and raises
   :class:`~keye.errors.KeyeInputError` once more than ``max_bad_fraction`` of the samples are bad.
@@ -17,6 +24,7 @@ and decodes/preprocesses micro-batches in worker processes. The returned :class:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,8 +39,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from keye.data.collate import IGNORE_INDEX, collate_packed, collate_padded
+from keye.data.groups import DataGroups
 from keye.data.manifest import BadRow, Manifest, Sample
-from keye.data.sampler import BalancedSampler
+from keye.data.sampler import BalancedSampler, EpochPlan
 from keye.data.table import (
     CostColumns,
     SampleTable,
@@ -44,7 +53,7 @@ from keye.data.table import (
 from keye.errors import KeyeConfigError, KeyeInputError
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2
 # Below this many attempted samples a high bad fraction is noise (2 bad of the first 3); the threshold is
 # always enforced at the end of an epoch.
 MIN_SAMPLES_FOR_BAD_CHECK = 64
@@ -81,10 +90,14 @@ class _MicroBatchDataset(Dataset):
         seed: int,
         epoch: int,
         processor_kwargs: dict[str, Any],
+        spare: Sequence[int] = (),
     ):
         self.table, self.processor, self.plan, self.start = table, processor, plan, start
         self.packing, self.pad_token_id = packing, pad_token_id
         self.seed, self.epoch, self.kwargs = seed, epoch, processor_kwargs
+        # Samples of other ranks to borrow for an all-masked micro-batch when this rank's plan has none that
+        # loads (the rest of an elastically resumed epoch can leave a rank empty micro-batches).
+        self.spare = list(spare)
 
     def __len__(self) -> int:
         return len(self.plan) - self.start
@@ -134,6 +147,11 @@ class _MicroBatchDataset(Dataset):
                     return self._process(i)
                 except Exception:  # noqa: BLE001 - keep looking for any usable sample
                     continue
+        for i in self.spare:
+            try:
+                return self._process(i)
+            except Exception:  # noqa: BLE001 - keep looking for any usable sample
+                continue
         raise KeyeInputError(f"no sample of epoch {self.epoch} can be processed on this rank")
 
 
@@ -147,7 +165,8 @@ class KeyeDataLoader:
     Attributes:
         table: the :class:`~keye.data.table.SampleTable` samples are read from.
         manifest: the parsed :class:`Manifest` when the table is one held in memory (a JSONL file), else ``None``.
-        sampler: the :class:`BalancedSampler` (same plan on every rank).
+        sampler: the :class:`BalancedSampler` (same plan on every rank; its world is the data-parallel groups).
+        groups: the process layout (:class:`~keye.data.groups.DataGroups`: group size, who reads).
         costs: per-sample cost columns (:class:`~keye.data.table.CostColumns`; ``costs[i]`` is ``None`` for
             samples excluded before training).
         bad_rows: every bad sample so far (plan-time and load-time), as :class:`BadRow`.
@@ -169,8 +188,10 @@ class KeyeDataLoader:
         pad_token_id: int,
         processor_kwargs: dict[str, Any] | None = None,
         bad_log: str | os.PathLike[str] | None = None,
+        groups: DataGroups | None = None,
     ):
         self.table, self.processor, self.sampler, self.costs = table, processor, sampler, costs
+        self.groups = groups if groups is not None else DataGroups(sampler.world_size, sampler.rank)
         self.manifest: Manifest | None = getattr(table, "manifest", None)
         self.packing, self.num_workers, self.prefetch_factor = packing, num_workers, prefetch_factor
         self.pin_memory, self.max_bad_fraction, self.pad_token_id = pin_memory, max_bad_fraction, pad_token_id
@@ -186,26 +207,61 @@ class KeyeDataLoader:
         self.dummy_micro_batches = 0
         self.epoch_samples_ok = 0
         self.epoch_samples_bad = 0
+        # The current epoch's plan covers the samples < epoch_rows (None: all) not in epoch_done (None: none);
+        # both are set only by an elastic resume (or one across a grown manifest) and cleared with the epoch.
+        self.epoch_rows: int | None = None
+        self.epoch_done: np.ndarray | None = None
+        self._shared: tuple[tuple, EpochPlan] | None = None
         for b in self.plan_bad:
             self._write_bad(b, stage="plan")
 
+    # ------------------------------------------------------------------ plan
+    def _plan_key(self) -> tuple:
+        done = None if self.epoch_done is None else hashlib.sha1(self.epoch_done.tobytes()).hexdigest()
+        return self.epoch, self.epoch_rows, done
+
+    def epoch_plan(self, *, share: bool = False) -> EpochPlan:
+        """The current epoch's plan (all ranks). ``share``: made on global rank 0 and broadcast to every rank
+        (a collective: every rank calls it at the same point; the loader does at build time and at the start of
+        each epoch's iteration); without it the plan shared last is reused when it is the current one, else
+        this rank plans the same plan itself."""
+        key = self._plan_key()
+        if self._shared is not None and self._shared[0] == key:
+            return self._shared[1]
+
+        def make() -> EpochPlan:
+            return self.sampler.plan(self.epoch, done=self.epoch_done, limit=self.epoch_rows)
+
+        if not share:
+            return make()
+        plan = self.groups.share(make)
+        self._shared = (key, plan)
+        return plan
+
     # ------------------------------------------------------------------ iteration
     def __len__(self) -> int:
-        """Micro-batches in the current epoch for this rank."""
-        return len(self.sampler.micro_batches_for(self.epoch))
+        """Micro-batches in the current epoch for this rank (the whole epoch, resumed or not)."""
+        return self.epoch_plan().n_steps * self.sampler.micro_batches
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        plan = self.sampler.micro_batches_for(self.epoch)
+    def _batches(self, plan: EpochPlan) -> Iterator[dict[str, Any]]:
+        """This rank's collated micro-batches from ``position`` on: read and decoded here (in worker processes
+        when ``num_workers`` > 0) by a group's reader, received from it by the group's other ranks."""
+        mbs = plan.rank_micro_batches(self.sampler.rank)
+        if not self.groups.is_reader:
+            for _ in range(len(mbs) - self.position):
+                yield self.groups.broadcast_batch(None)
+            return
         ds = _MicroBatchDataset(
             self.table,
             self.processor,
-            plan,
+            mbs,
             self.position,
             packing=self.packing,
             pad_token_id=self.pad_token_id,
             seed=self.sampler.seed,
             epoch=self.epoch,
             processor_kwargs=self.processor_kwargs,
+            spare=plan.samples[:64].tolist(),
         )
         kw: dict[str, Any] = {}
         if self.num_workers > 0:
@@ -220,6 +276,10 @@ class KeyeDataLoader:
             **kw,
         )
         for batch in dl:
+            yield self.groups.broadcast_batch(batch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self._batches(self.epoch_plan(share=True)):
             self.position += 1
             self._account(batch)
             yield batch
@@ -227,6 +287,7 @@ class KeyeDataLoader:
         self.epoch += 1
         self.position = 0
         self.epoch_samples_ok = self.epoch_samples_bad = 0
+        self.epoch_rows = self.epoch_done = None
 
     def _account(self, batch: dict[str, Any]) -> None:
         self.micro_batches_done += 1
@@ -273,17 +334,34 @@ class KeyeDataLoader:
             )
 
     # ------------------------------------------------------------------ resume
+    def _layout(self) -> dict[str, Any]:
+        """What the plan of an epoch depends on besides the seed and the costs."""
+        smp = self.sampler
+        return {"world_size": smp.world_size, "micro_batches": smp.micro_batches, "batch_size": smp.batch_size,
+                "batch_tokens": smp.batch_tokens, "fill": smp.fill, "shuffle": smp.shuffle,
+                "length_grouped": smp.length_grouped}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly here: seed, epoch, position (micro-batches consumed in the
-        epoch), the layout it was planned for, and the counters."""
+        epoch), the layout it was planned for, the samples of the epoch already handed out to any rank (a bit
+        per row: what an elastic resume trains the rest of the epoch from) and the counters."""
+        rows = self.epoch_rows if self.epoch_rows is not None else len(self.table)
+        consumed = self.epoch_plan().consumed(self.position)
+        if self.epoch_done is not None:
+            consumed = np.union1d(consumed, self.epoch_done)
         return {
             "version": STATE_VERSION,
             "seed": self.sampler.seed,
             "epoch": self.epoch,
             "position": self.position,
             "world_size": self.sampler.world_size,
-            "rank": self.sampler.rank,
+            "group_size": self.groups.group_size,
+            "rank": self.groups.rank,
+            "layout": self._layout(),
             "num_samples": len(self.table),
+            "epoch_rows": rows,
+            "epoch_done": None if self.epoch_done is None else _pack(self.epoch_done, rows),
+            "consumed": _pack(consumed, rows),
             "counters": {
                 "samples_ok": self.samples_ok,
                 "samples_bad": self.samples_bad,
@@ -295,22 +373,43 @@ class KeyeDataLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`.
+        """Restore a :meth:`state_dict` (this version's or the previous one's).
+
+        Under the same layout (data-parallel groups, micro-batches, batch size or tokens) the run continues
+        exactly where it stopped. Under another layout (more or fewer ranks or groups) it trains the samples
+        of the interrupted epoch that no rank had been handed yet, each once, planned for the new layout; the
+        following epochs are planned as usual. A state made before the manifest grew (rows appended) finishes
+        its epoch over the rows it started with; the new rows join from the next epoch. The counters are the
+        saving rank's (any rank's state will do).
 
         Raises:
-            KeyeConfigError: the state was made with a different seed, world size or manifest size, under
-                which "the same samples" is undefined.
+            KeyeConfigError: another seed, a manifest with fewer rows than the state's epoch, or a state of the
+                previous version (which records no handed-out samples) under another world size.
         """
-        if state.get("version") != STATE_VERSION:
-            raise KeyeConfigError(f"loader state version {state.get('version')} != {STATE_VERSION}")
-        for key, mine in (
-            ("seed", self.sampler.seed),
-            ("world_size", self.sampler.world_size),
-            ("num_samples", len(self.table)),
-        ):
-            if state[key] != mine:
-                raise KeyeConfigError(f"loader state has {key}={state[key]} but this loader has {key}={mine}")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise KeyeConfigError(f"loader state version {version} is not 1 or {STATE_VERSION}")
+        if state["seed"] != self.sampler.seed:
+            raise KeyeConfigError(f"loader state has seed={state['seed']} but this loader has seed={self.sampler.seed}")
+        rows = int(state.get("epoch_rows", state["num_samples"]))
+        if rows > len(self.table):
+            raise KeyeConfigError(f"loader state is for an epoch over {rows} samples but {self.table.path} now has "
+                                  f"{len(self.table)}: resuming needs the rows it started with (append new ones)")
+        position, done = int(state["position"]), None
+        if version == 1:
+            if state["world_size"] != self.sampler.world_size:
+                raise KeyeConfigError(f"loader state has world_size={state['world_size']} but this loader has "
+                                      f"world_size={self.sampler.world_size} (a version-1 state resumes on the same "
+                                      "number of ranks only)")
+        elif state["layout"] == self._layout():
+            done = None if state["epoch_done"] is None else _unpack(state["epoch_done"], rows)
+        else:
+            done, position = _unpack(state["consumed"], rows), 0
+            log.info("resuming epoch %d on a new layout (%s, was %s): %d of its samples already trained",
+                     state["epoch"], self._layout(), state["layout"], len(done))
+        self.epoch, self.position = int(state["epoch"]), position
+        self.epoch_rows = rows if rows != len(self.table) else None
+        self.epoch_done = done
         for k, v in state["counters"].items():
             setattr(self, k, int(v))
 
@@ -318,6 +417,7 @@ class KeyeDataLoader:
         """Jump to the start of ``epoch``."""
         self.epoch, self.position = int(epoch), 0
         self.epoch_samples_ok = self.epoch_samples_bad = 0
+        self.epoch_rows = self.epoch_done = None
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
@@ -349,6 +449,18 @@ class KeyeDataLoader:
         ]
         lines += [f"data:   {n} x {r}" for r, n in s["bad_reasons"].items()]
         return "\n".join(lines)
+
+
+def _pack(indices: np.ndarray, rows: int) -> bytes:
+    """Sample indices < ``rows`` as a bitmap (a bit per row: 125 KB per million)."""
+    mask = np.zeros(rows, bool)
+    mask[np.asarray(indices, dtype=np.int64)] = True
+    return np.packbits(mask).tobytes()
+
+
+def _unpack(bits: bytes, rows: int) -> np.ndarray:
+    """The indices :func:`_pack` packed."""
+    return np.flatnonzero(np.unpackbits(np.frombuffer(bits, np.uint8), count=rows)).astype(np.int64)
 
 
 def _reason_key(reason: str) -> str:
@@ -438,6 +550,7 @@ def build_dataloader(
     bad_log: str | os.PathLike[str] | None = None,
     fill: float = 0.9,
     processor_kwargs: dict[str, Any] | None = None,
+    group_size: int = 1,
 ) -> KeyeDataLoader:
     """Build the training loader for this rank.
 
@@ -453,7 +566,8 @@ def build_dataloader(
         batch_tokens: token budget of one micro-batch (a packed row), or
         batch_size: average samples per micro-batch per rank; exactly one of the two.
         micro_batches: micro-batches per rank per optimizer step (gradient accumulation).
-        world_size, rank: data-parallel layout (default: from ``torch.distributed`` if initialised, else 1/0).
+        world_size, rank: processes and this one's rank (default: from ``torch.distributed`` if initialised,
+            else 1/0); with ``group_size`` 1 they are the data-parallel layout.
         seed: shuffling and preprocessing seed.
         num_workers: decoding/preprocessing worker processes (0 = in this process).
         packing: ``True`` -> one packed row per micro-batch; ``False`` -> padded batch.
@@ -464,6 +578,12 @@ def build_dataloader(
         max_bad_fraction: fail (``KeyeInputError``) when more than this share of samples is bad.
         probe_cache: a :class:`keye.data.probe.ProbeCache` (default: the user cache).
         bad_log: optional JSONL file receiving one line per skipped sample.
+        group_size: ranks per data-parallel group (``train.context_parallel``): *consecutive* ranks form a
+            group (group = rank // group_size, ``world_size`` must be a multiple). Samples are balanced over the
+            ``world_size / group_size`` groups; every rank of a group yields the same micro-batches; only the
+            group's first rank reads and decodes them (in its worker processes) and sends the collated tensors
+            to the others over a gloo process group (with a matching initialised ``torch.distributed``;
+            otherwise each rank reads them itself, with the same result). Resume state is unchanged.
 
     Raises:
         KeyeInputError: unreadable manifest, or too many bad rows before training starts.
@@ -471,6 +591,7 @@ def build_dataloader(
     """
     table = open_table(manifest, root)
     world_size, rank = _dist_layout(world_size, rank)
+    layout = DataGroups(world_size, rank, group_size)
     costs, cost_bad = _table_costs(table, processor, cost_model, probe_cache, processor_kwargs, world_size, rank)
     plan_bad = list(table.bad_rows) + cost_bad
     n_rows = table.num_rows
@@ -488,7 +609,7 @@ def build_dataloader(
     if group_key is not None:
         groups = table.column(group_key)
     sampler = BalancedSampler(
-        tokens, flops, world_size=world_size, rank=rank, batch_size=batch_size, batch_tokens=batch_tokens,
+        tokens, flops, world_size=layout.num_groups, rank=layout.group, batch_size=batch_size, batch_tokens=batch_tokens,
         micro_batches=micro_batches, groups=groups, exclude=costs.excluded, seed=seed, shuffle=shuffle, fill=fill,
         length_grouped=not packing and batch_size is not None and micro_batches > 1,
     )
@@ -499,7 +620,7 @@ def build_dataloader(
     pad_id = getattr(tok, "pad_token_id", None)
     if pad_id is None:
         pad_id = 0
-    return KeyeDataLoader(
+    loader = KeyeDataLoader(
         table,
         processor,
         sampler,
@@ -513,4 +634,7 @@ def build_dataloader(
         pad_token_id=int(pad_id),
         processor_kwargs=processor_kwargs,
         bad_log=bad_log,
+        groups=layout.connect(),
     )
+    loader.epoch_plan(share=True)  # epoch 0 planned once (rank 0), before anyone asks for len(loader)
+    return loader
