@@ -20,6 +20,15 @@ Checks (``--only`` names):
 * ``flash``: the vision tower (several images per batch: variable-length segments) with
   ``flash_attention_2`` (flash-attn's varlen kernel) against ``sdpa``, both bf16, relative L2 <= 4u (both
   accumulate in fp32 and round their outputs to bf16). Skipped without the ``flash_attn`` package.
+* ``context``: context parallelism on a long packed row (16,384 tokens: a 32-frame Keye-VL-1.5 video and text
+  samples; :mod:`keye.train.context_parallel`) with ``flash_attention_2`` in bf16: two ranks (NCCL on two GPUs;
+  on one GPU both ranks share it over gloo, which stages the all-to-alls through host memory) split the row, and
+  the summed loss and every gradient (all-reduced over the two ranks) are compared with one rank's whole-row
+  forward and backward with the same kernel, for KV heads split (2 per rank) and repeated (1 KV head). Bound:
+  relative error of the loss and relative L2 of the gradients <= 8u, the golden bf16 row's (both sides round the
+  same bf16 activations; only matmul shapes, hence accumulation orders, differ; a wrong split is off by order 1).
+  The same comparison with ``sdpa`` is printed beside it as the rounding baseline (the bound was set without a
+  GPU to calibrate it on). Skipped without the ``flash_attn`` package.
 * ``vllm``: a :class:`keye.rl.VLLMRollout` (vLLM, ``processed_logprobs``) samples a few text and image prompts
   from ``--model``; the learner (:func:`keye.train.logprobs.token_logprobs`, bf16) scores the same tokens; the
   mean absolute difference of the log-probs must be <= ``--max-logp-diff`` (0.05: the rollout/learner mismatch
@@ -49,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "keye_preview_tiny"
 BF16_U = 2.0**-8  # bfloat16 unit roundoff (8 significand bits)
-CHECKS = ("golden", "flash", "memory", "vllm")
+CHECKS = ("golden", "flash", "context", "memory", "vllm")
 
 
 @dataclass
@@ -161,6 +170,95 @@ def check_flash_vision(device: str) -> Row:
     del model
     return Row(name, _status(worst <= 4 * BF16_U), f"rel L2 {worst:.2e} over {segments} segments",
                f"<= {4 * BF16_U:.4f}")
+
+
+# ------------------------------------------------------------------------------------------ context parallel
+def _cp_case(dist, cp, device, *, kv_heads: int, backend: str) -> dict[str, float]:
+    """One whole-row forward/backward and the same row split over the group; relative differences."""
+    import torch
+
+    from keye.config import TextConfig, tiny_config
+    from keye.model.keye_vl import KeyeVL
+    from keye.testing.long_row import long_video_row
+    from keye.train.loss import LossRequest
+
+    text = TextConfig(vocab_size=520, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=64, mrope_section=(8, 12, 12))
+    config = tiny_config("1.5", text=text)
+    torch.manual_seed(0)
+    model = KeyeVL(config).to(device=device, dtype=torch.bfloat16).train()
+    model.set_attn_implementation(backend)
+    model.always_run_vision = True
+    row = long_video_row(config, frames=32, frame_grid=(16, 16), text_lens=(4096, 4096, 4096, 1492), answer=512)
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in row.items()
+              if k in ("input_ids", "labels", "seq_lens", "pixel_values_videos", "video_grid_thw")}
+    inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(torch.bfloat16)
+
+    def run(**kw):
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs, loss_reduction="sum", loss_request=LossRequest(), **kw).loss
+        loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        return loss.detach().float(), grads
+
+    ref_loss, ref_grads = run()
+    loss, grads = run(context_parallel=cp)
+    both = torch.cat([loss.view(1), grads]).cpu()
+    dist.all_reduce(both, group=cp.group)
+    return {"tokens": row["num_tokens"], "loss": float((both[0] - ref_loss.cpu()).abs() / ref_loss.abs().cpu()),
+            "grads": float((both[1:] - ref_grads.cpu()).norm() / ref_grads.cpu().norm())}
+
+
+def _cp_worker(out: str) -> int:
+    """One rank of the ``context`` check (under torchrun): rank 0 writes every case's errors to ``out``."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from keye.train.context_parallel import ContextParallel
+
+    two = torch.cuda.device_count() >= 2
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank if two else 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if two else "gloo")
+    try:
+        cp = ContextParallel.create(2, rank, 2, num_heads=8)
+        results = {f"{backend} kv{kv}": _cp_case(dist, cp, device, kv_heads=kv, backend=backend)
+                   for backend in ("flash_attention_2", "sdpa") for kv in (4, 1)}
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def check_context_parallel(device: str) -> Row:
+    """Context parallelism (2 ranks) with flash-attn varlen on a 16,384-token row against the whole-row run."""
+    import subprocess
+    import tempfile
+
+    from keye.model.attention import flash_attn_available
+
+    name = "context parallel 2 vs 1, flash-attn varlen (bf16)"
+    if not flash_attn_available():
+        return Row(name, "SKIP", note="flash_attn is not installed (pip install 'keye[gpu]')")
+    del device  # the ranks take cuda:0 (one GPU, shared over gloo) or cuda:0 / cuda:1 (NCCL)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cp.json"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               __file__, "--cp-worker", str(out)], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            return Row(name, "FAIL", note=f"the 2-rank run failed: {proc.stderr.strip()[-600:]}")
+        res = json.loads(out.read_text())
+    flash = {k: v for k, v in res.items() if k.startswith("flash")}
+    worst = max(max(v["loss"], v["grads"]) for v in flash.values())
+    sdpa = max(max(v["loss"], v["grads"]) for k, v in res.items() if k.startswith("sdpa"))
+    tokens = next(iter(res.values()))["tokens"]
+    return Row(name, _status(worst <= 8 * BF16_U), f"worst rel {worst:.2e} (sdpa {sdpa:.2e}), {tokens} tokens",
+               f"<= {8 * BF16_U:.4f}", note="KV heads split and repeated")
 
 
 # ------------------------------------------------------------------------------------------------- memory
@@ -305,6 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-logp-diff", type=float, default=0.05, help="vLLM row: bound on the mean abs difference")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM row: the engine's share of the GPU")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--cp-worker", default=None, help=argparse.SUPPRESS)  # one rank of the context check
     return ap.parse_args(argv)
 
 
@@ -317,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs CUDA: torch.cuda.is_available() is False on this host (no GPU, or a CPU-only torch "
               "build). Run it by hand on a GPU host.", file=sys.stderr)
         return 2
+    if args.cp_worker:
+        return _cp_worker(args.cp_worker)
     # fp32 means fp32: no TF32 in matmuls or convolutions (the golden float32 row)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -328,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("golden parity bfloat16", lambda: check_golden(args.device, "bfloat16"))]
     if "flash" in args.only:
         plan.append(("flash-attn varlen vs sdpa vision", lambda: check_flash_vision(args.device)))
+    if "context" in args.only:
+        plan.append(("context parallel", lambda: check_context_parallel(args.device)))
     if "memory" in args.only:
         plan.append(("memory plan", lambda: check_memory(args.device)))
     if "vllm" in args.only:  # last: vLLM may keep GPU memory until the process ends

@@ -36,7 +36,7 @@ def gpu_check():
 def test_help_lists_the_checks_and_options():
     proc = _run("--help")
     assert proc.returncode == 0, proc.stderr
-    for word in ("--only", "--model", "--max-logp-diff", "golden", "flash", "memory", "vllm", "needs CUDA"):
+    for word in ("--only", "--model", "--max-logp-diff", "golden", "flash", "context", "memory", "vllm", "needs CUDA"):
         assert word in proc.stdout, word
 
 
@@ -84,5 +84,7 @@ def test_rows_without_their_package_skip_with_a_reason(gpu_check, monkeypatch):
     monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     row = gpu_check.check_flash_vision("cpu")
     assert row.status == "SKIP" and "flash_attn" in row.note
+    cp_row = gpu_check.check_context_parallel("cpu")
+    assert cp_row.status == "SKIP" and "flash_attn" in cp_row.note
     text = gpu_check.table([row, gpu_check.Row("x", "PASS", "1.0", "<= 2")])
     assert "SKIP" in text and "PASS" in text and "<= 2" in text

@@ -24,7 +24,8 @@ def long_video_row(config: KeyeVLConfig, *, frames: int = 4, frame_grid: tuple[i
 
     Returns:
         ``input_ids`` / ``labels`` [1, L], ``seq_lens`` (list), ``pixel_values_videos`` [frames*h*w, C, p, p],
-        ``video_grid_thw`` [[frames, h, w]], ``num_tokens`` L.
+        ``video_grid_thw`` [[frames, h, w]], and the packing collate's ``packed`` (True), ``num_tokens`` (L),
+        ``num_samples`` and ``num_label_tokens`` (labels other than -100): a loader micro-batch.
     """
     g = torch.Generator().manual_seed(seed)
     low = min(config.bos_token_id, config.image_token_id, config.video_token_id, config.vision_start_token_id)
@@ -49,7 +50,8 @@ def long_video_row(config: KeyeVLConfig, *, frames: int = 4, frame_grid: tuple[i
     v = config.vision
     pixels = torch.randn(frames * h * w, v.num_channels, v.patch_size, v.patch_size, generator=g)
     return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]), "seq_lens": seq_lens,
-            "pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[frames, h, w]]), "num_tokens": len(ids)}
+            "pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[frames, h, w]]), "packed": True,
+            "num_tokens": len(ids), "num_samples": len(seq_lens), "num_label_tokens": sum(x != -100 for x in labels)}
 
 
 __all__ = ["long_video_row"]

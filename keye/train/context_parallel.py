@@ -109,13 +109,40 @@ def context_parallel_layout(world_size: int, rank: int, size: int) -> ContextPar
     return ContextParallelLayout(size=size, rank=rank, world_size=world_size)
 
 
+def _staged(x: torch.Tensor, group: Any) -> bool:
+    # gloo moves CPU tensors only (all-to-all, all-gather): CUDA tensors go through host memory, which lets several
+    # ranks share one GPU (NCCL refuses that) - how scripts/gpu_check.py runs the path on a single GPU
+    return x.is_cuda and dist.get_backend(group) == "gloo"
+
+
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     """All-to-all of ``x`` [N, ...]: row ``j`` goes to the group's ``j``-th rank; row ``j`` of the result came from
     it."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+    staged = _staged(x, group)
+    y = x.cpu().contiguous() if staged else x.contiguous()
+    out = torch.empty_like(y)
+    dist.all_to_all_single(out, y, group=group)
+    return out.to(x.device) if staged else out
+
+
+def _all_gather(x: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every group rank's ``x`` (same shape everywhere), in rank order."""
+    staged = _staged(x, group)
+    y = x.cpu().contiguous() if staged else x.contiguous()
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, y, group=group)
+    return [p.to(x.device) for p in parts] if staged else parts
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over the group (a new tensor; summed in float32 when staged through gloo)."""
+    if _staged(x, group):
+        y = x.float().cpu()
+        dist.all_reduce(y, group=group)
+        return y.to(device=x.device, dtype=x.dtype)
+    y = x.contiguous().clone()
+    dist.all_reduce(y, group=group)
+    return y
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -163,14 +190,11 @@ class _GatherRows(torch.autograd.Function):
         width = max(counts)
         padded = x.new_zeros(width, *x.shape[1:])
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        return torch.cat([p[:c] for p, c in zip(parts, counts)])
+        return torch.cat([p[:c] for p, c in zip(_all_gather(padded, group), counts)])
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        grad = _all_reduce(grad, ctx.group)
         start = sum(ctx.counts[: ctx.rank])
         return grad[start : start + ctx.counts[ctx.rank]], None, None, None
 
@@ -298,7 +322,7 @@ class ContextParallel:
         qkv = torch.cat([q.reshape(local, n, hq // n, d), k.reshape(local, n, hk, d), v.reshape(local, n, hk, d)],
                         dim=2)
         full = _SeqToHeads.apply(qkv, self.group)  # [L, hq/n + 2 hk, d]
-        qf, kf, vf = full.split([hq // n, hk, hk], dim=1)
+        qf, kf, vf = (x.contiguous() for x in full.split([hq // n, hk, hk], dim=1))
         out = varlen_attention(qf, kf, vf, cu_seqlens, scale=scale, causal=True, backend=backend)
         out = _HeadsToSeq.apply(out.contiguous(), self.group)  # [L/N, N, hq/n, d]
         return out.reshape(local, hq, d).transpose(0, 1)[None]
