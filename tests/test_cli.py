@@ -17,11 +17,12 @@ LIGHT_COMMANDS = [
     ["--help"],
     ["--version"],
     ["chat", "--help"],
-    *[[name, "--help"] for name in ("process", "data", "train", "rlep", "init", "merge", "rl", "eval", "demo",
-                                     "serve")],
+    *[[name, "--help"] for name in ("process", "data", "train", "rlep", "init", "merge", "rl", "sft", "eval",
+                                     "demo", "serve")],
     ["data", "synth", "--help"],
     ["train", "sft", "--help"],
     ["rl", "plan", "--help"],
+    ["sft", "plan", "--help"],
     ["eval", "synth", "--help"],
     ["chat", "--bogus"],  # an unknown flag
     ["chat", "--max-new-tokens", "many", "q"],  # a bad value

@@ -114,25 +114,34 @@ def _numel(counts: ParamCounts, world: int, layout: str, select) -> int:
 
 
 def head_chunk_bytes(config: KeyeVLConfig, *, dtype: str, amp: bool, chunk: int | None, targets: int,
-                     head_trainable: bool = True) -> tuple[int, int]:
+                     head_trainable: bool = True, hidden_tokens: int = 0) -> tuple[int, int]:
     """``(forward, backward)`` peak bytes of the chunked loss head (:func:`keye.train.loss.chunked_cross_entropy`)
     above the activations, for ``targets`` target rows on this rank.
 
     Forward: one chunk's logits in the compute dtype and their float32 copy (``rows x V x (c + 4)``), plus the
-    head cast to the compute dtype under autocast (``V x D x c``). Backward: the chunk's float32 logit gradient and
-    its cast (``rows x V x (4 + c)``), the head cast again, and the head's gradient summed in float32 (``4VD``) with
-    one chunk's ``g^T h`` in the compute dtype and its float32 copy (``(c + 4) VD``; in float32 it is accumulated in
-    place). ``c`` is 2 under autocast (``amp``) or the model dtype's bytes.
+    head cast to the compute dtype under autocast (``V x D x c``). Backward: the head cast again and the head's
+    gradient summed in float32 (``4VD``), and the larger of the chunk's float32 logit gradient with its cast
+    (``rows x V x (4 + c)``) and, once the float32 one is freed, the cast with one chunk's ``g^T h`` in the compute
+    dtype and its float32 copy (``rows x V x c + (c + 4) VD``; in float32 it is accumulated in place). ``c`` is 2
+    under autocast (``amp``) or the model dtype's bytes; a bf16 head's float32 sum is cast back at the end (``2VD``).
+    ``hidden_tokens``: the forward's final hidden states (``[tokens, D]``, float32 under autocast), alive while the
+    loss runs in the forward although autograd does not save them.
     """
     t = config.text
     rows = targets if chunk is None else min(chunk, targets)
     c = 2 if amp else dtype_bytes(dtype)
     vd = t.vocab_size * t.hidden_size
     cast = c * vd if amp else 0
-    logits = rows * t.vocab_size * (c + FP32) if c != FP32 else rows * t.vocab_size * FP32
-    forward = logits + cast
-    head_grad = (FP32 * vd + ((c + FP32) * vd if c != FP32 else 0)) if head_trainable else 0
-    backward = rows * t.vocab_size * (FP32 + (c if c != FP32 else 0)) + cast + head_grad
+    chunk_fwd = rows * t.vocab_size * (c + FP32) if c != FP32 else rows * t.vocab_size * FP32
+    forward = chunk_fwd + cast + (FP32 if amp else c) * t.hidden_size * hidden_tokens
+    if not head_trainable:
+        return forward, cast + chunk_fwd
+    g = rows * t.vocab_size * (FP32 + (c if c != FP32 else 0))
+    if c == FP32:
+        backward = cast + FP32 * vd + g
+    else:
+        final_cast = 0 if amp else c * vd  # grad_w.to(weight.dtype): a copy unless the head is float32 (amp)
+        backward = cast + FP32 * vd + max(g, rows * t.vocab_size * c + (c + FP32) * vd, final_cast)
     return forward, backward
 
 
@@ -304,9 +313,10 @@ def plan_sft_memory(
     cast = _cast_items(acc, counts, amp=amp, chunked=loss_chunk_tokens is not None, checkpointing=gradient_checkpointing,
                        config=model_config)
     head_fwd, head_bwd = head_chunk_bytes(model_config, dtype=dtype, amp=amp, chunk=loss_chunk_tokens, targets=targets,
-                                          head_trainable=any(n == "lm_head.weight" and t for n, _, t in counts.shapes))
+                                          head_trainable=any(n == "lm_head.weight" and t for n, _, t in counts.shapes),
+                                          hidden_tokens=tokens)
     rows = targets if loss_chunk_tokens is None else min(loss_chunk_tokens, targets)
-    acc.add("loss head forward (chunk logits + fp32 copy, head cast)", head_fwd, "forward",
+    acc.add("loss head forward (chunk logits + fp32 copy, head, hidden)", head_fwd, "forward",
             f"{rows} rows x vocab {model_config.text.vocab_size}")
     acc.add("loss head backward (chunk gradient, head gradient in fp32)", head_bwd, "backward",
             "the chunk's logit gradient and its cast, lm_head's gradient summed in float32")

@@ -200,7 +200,8 @@ def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences
             are then float32: each RMSNorm / LayerNorm keeps its normalised value in float32 and every Linear
             that reads a norm's output saves its own bf16 cast of it (``+10D`` per token per decoder layer: q, k,
             v and gate, up; ``+8Dv`` per patch per vision layer), the text cos/sin are float32 (``+4 head_dim``),
-            the gathered target rows float32 (``+2D`` each), and a checkpointed layer keeps a float32 input.
+            the gathered target rows float32 (``+2D`` each), a checkpointed layer keeps a float32 input, and the
+            pixels arrive in float32 next to their bf16 cast.
 
     Without checkpointing every layer's saved tensors are alive at the end of the forward; with it, each
     layer keeps its input (``bD`` per token, ``bDv`` per patch) and one layer's full set is rebuilt during the
@@ -228,11 +229,15 @@ def activation_bytes(config: KeyeVLConfig, *, dtype: str, tokens: int, sequences
         vis_layer = 0
     else:
         per_patch += b * v.num_channels * v.patch_size**2 + 2 * FP32 * v.head_dim + b * v.hidden_size + 2 * FP32
+    if amp:  # the loader's float32 pixels, of which the patch embedding saves the bf16 cast
+        per_patch += FP32 * v.num_channels * v.patch_size**2
     other = int(per_token * tokens + (FP32 if amp else b) * t.hidden_size * resp + per_patch * vision_patches)
     n_dec, n_vis = t.num_hidden_layers, v.num_hidden_layers
     grads = (2 * b * t.hidden_size + 2 * b * t.intermediate_size) * tokens
     if not vision_frozen:
         grads += (2 * b * v.hidden_size + 2 * b * v.intermediate_size) * vision_patches
+    if amp:  # the residual streams' gradients are float32 too
+        grads += 2 * (FP32 - b) * (t.hidden_size * tokens + (0 if vision_frozen else v.hidden_size * vision_patches))
     if gradient_checkpointing:
         rb = FP32 if amp else b  # the residual stream a checkpointed layer keeps as its input
         dec = n_dec * rb * t.hidden_size * tokens
