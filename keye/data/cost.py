@@ -17,6 +17,17 @@ Token counts follow :class:`keye.processing.processor.KeyeProcessor` step by ste
 
 Per-file results are cached in the :class:`~keye.data.probe.ProbeCache` (keyed by path, mtime and size).
 
+**Metadata in the row.** A content item that states its media's size skips the probe: ``"width"`` and
+``"height"`` (pixels) for an image; those plus ``"duration"`` (seconds) and ``"num_frames"`` (frames in the
+stream) for a video file, whose frames are then taken as evenly spaced at ``num_frames / duration`` fps (exact
+for constant-frame-rate files). The values are trusted, not checked against the file; only a missing local
+file is still rejected before training (a cheap ``stat``), a corrupt one is found when it is decoded. A 1.5 video with
+``slowfast_exact`` is still decoded (its slow/fast frame types need pixels); frame-list videos are probed.
+
+A 1.5 video's per-frame timestamp text is tokenised once per distinct string (``"12.5"`` is the same tokens
+wherever it appears), not once per frame. :func:`estimate_parallel` runs the cost model over a table in
+worker processes.
+
 FLOPs are forward-pass multiply-adds x 2 of the Keye-VL blocks (architecture.md §1-5): for a vision
 attention segment of P patches (width d, MLP m, L layers), ``2*P*588*d + L*(8*P*d^2 + 4*P^2*d + 4*P*d*m)``
 plus the 2x2-merge projector ``2*(P/4)*(4d*4d + 4d*D)``; for an LLM sequence of S tokens,
@@ -28,6 +39,8 @@ numbers for trained towers; only ratios matter for balancing.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -35,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from keye.data.manifest import MediaRef, Sample
-from keye.data.probe import ProbeCache, probe_media
+from keye.data.probe import MediaInfo, ProbeCache, probe_media
 from keye.errors import KeyeInputError
 from keye.model.arch import TextConfig, VisionConfig
 
@@ -75,6 +88,38 @@ class ModelDims:
         """From a :class:`keye.config.KeyeVLConfig` (``cfg.vision`` / ``cfg.text``)."""
         return cls(**{f.name: getattr(getattr(cfg, f.metadata["config"][0]), f.metadata["config"][1])
                       for f in fields(cls)})
+
+
+def given_info(ref: MediaRef) -> MediaInfo | None:
+    """The media's size as the manifest row states it (see the module docstring), or ``None`` when the row
+    does not state all of it (the media is then probed).
+
+    Raises:
+        KeyeInputError: a stated value is not a positive number.
+    """
+    o = ref.options
+    keys = ("width", "height") if ref.kind == "image" else ("width", "height", "duration", "num_frames")
+    if ref.frames is not None or not all(o.get(k) is not None for k in keys):
+        return None
+    for k in keys:
+        v = o[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise KeyeInputError(f"{ref.kind} {ref.path}: metadata {k} must be a positive number, got {v!r}")
+    if ref.kind == "image":
+        return MediaInfo("image", width=int(o["width"]), height=int(o["height"]), num_frames=1)
+    n, dur = int(o["num_frames"]), float(o["duration"])
+    return MediaInfo("video", width=int(o["width"]), height=int(o["height"]), duration=dur, fps=n / dur,
+                     num_frames=n)
+
+
+def _info(ref: MediaRef, cache: ProbeCache) -> MediaInfo:
+    """The row's stated metadata (the file must exist), else a (cached) probe."""
+    given = given_info(ref)
+    if given is None:
+        return probe_media(ref, cache)
+    if ref.is_local and not os.path.isfile(ref.path):
+        return MediaInfo(ref.kind, error="file not found")
+    return given
 
 
 def vision_flops(segments: list[int], dims: ModelDims) -> float:
@@ -154,6 +199,7 @@ class CostModel:
         self.mode = mode
         self.slowfast_exact = slowfast_exact
         self.variant = processor.variant
+        self._ts_tokens: dict[str, int] = {}  # timestamp text -> tokens (a few thousand distinct strings)
 
     @classmethod
     def from_processor(cls, processor: Any, *, cache: ProbeCache | None = None, **kw: Any) -> CostModel:
@@ -185,7 +231,7 @@ class CostModel:
         """(LLM tokens, [patches]) of one image item."""
         from keye.processing.image import image_grid_for_size
 
-        info = probe_media(ref, self.cache)
+        info = _info(ref, self.cache)
         if not info.ok:
             raise KeyeInputError(info.error or "unusable image", path=ref.path)
         o = ref.options
@@ -202,9 +248,12 @@ class CostModel:
         merge = self.processor.image_processor.config.merge_size
         return t * h * w // (merge * merge), [t * h * w]
 
-    def _timing(self, path: str) -> tuple[np.ndarray, float, int, int]:
+    def _timing(self, path: str, given: MediaInfo | None = None) -> tuple[np.ndarray, float, int, int]:
         """(true frame times in s, average fps, height, width) exactly as the processor's probe computes
-        them, cached compactly (an arithmetic pts sequence is stored as its step)."""
+        them, cached compactly (an arithmetic pts sequence is stored as its step); from the row's metadata
+        (evenly spaced frames) when it states them."""
+        if given is not None:
+            return np.arange(given.num_frames) / given.fps, given.fps, given.height, given.width
         key = ProbeCache.file_key(f"vtiming{_TIMING_VERSION}", path)
         hit = self.cache.get(key) if key is not None else None
         if hit is None:
@@ -270,7 +319,7 @@ class CostModel:
         if self.variant == "preview":
             if ref.frames is not None:
                 return self._preview_frame_list(ref, opts)
-            ts, fps, h, w = self._timing(ref.path)
+            ts, fps, h, w = self._timing(ref.path, given_info(ref))
             plan = sample_frames(ts, fps, opts, self.variant, item=ref.path, path=ref.path)
             rh, rw = preview_video_size(h, w, plan.n_frames, opts, item=ref.path, path=ref.path)
             th, tw = ip.target_size(rh, rw)
@@ -311,7 +360,7 @@ class CostModel:
                 h, w = info.height, info.width
                 ts = plan.timestamps if opts.fps is not None else None
             else:
-                times, fps, h, w = self._timing(ref.path)
+                times, fps, h, w = self._timing(ref.path, given_info(ref))
                 plan = sample_frames(times, fps, opts, self.variant, item=ref.path, path=ref.path)
                 ts = plan.timestamps
             types = np.zeros(plan.n_frames, np.int32)
@@ -328,13 +377,21 @@ class CostModel:
         slow_p = (sizes.slow_hw[0] // patch) * (sizes.slow_hw[1] // patch)
         fast_p = (sizes.fast_hw[0] // patch) * (sizes.fast_hw[1] // patch)
         tokens, segments = 0, []
-        for j, t in enumerate(types):
+        for t in types:
             p = fast_p if t == FAST else slow_p
             segments.append(p)
             tokens += 1 + p // (merge * merge) + (2 if t == FAST else 0)  # <|frame|> [+ fast markers]
-            if ts is not None:
-                tokens += self._n_text(format(ts[j], ".1f"))
+        if ts is not None:
+            tokens += self._timestamp_tokens([format(ts[j], ".1f") for j in range(len(types))])
         return tokens, segments
+
+    def _timestamp_tokens(self, texts: list[str]) -> int:
+        """Total tokens of the timestamp texts, each distinct string tokenised once (then remembered)."""
+        new = sorted({t for t in texts if t not in self._ts_tokens})
+        if new:
+            ids = self.processor.tokenizer(new, add_special_tokens=False)["input_ids"]
+            self._ts_tokens.update((t, len(x)) for t, x in zip(new, ids))
+        return sum(self._ts_tokens[t] for t in texts)
 
     # ------------------------------------------------------------------ public
     def estimate(self, sample: Sample) -> SampleCost:
@@ -344,16 +401,17 @@ class CostModel:
             KeyeInputError: a media file is missing / corrupt / unsupported, or the processor's sizing
                 rules reject it (aspect ratio, clip too short, budget too small).
         """
-        for ref in sample.media:
-            info = probe_media(ref, self.cache)
+        refs = sample.media
+        for ref in refs:
+            info = _info(ref, self.cache)
             if not info.ok:
                 raise KeyeInputError(f"{ref.kind} {ref.path}: {info.error}", item=sample.id)
         pieces, kinds = self.text_pieces(sample.messages)
-        if len(kinds) != len(sample.media) or any(k != r.kind for k, r in zip(kinds, sample.media)):
+        if len(kinds) != len(refs) or any(k != r.kind for k, r in zip(kinds, refs)):
             raise KeyeInputError("text contains literal <|image_pad|>/<|video_pad|> tokens", item=sample.id)
         text = sum(self._n_text(p) for p in pieces)
         media, segments = 0, []
-        for ref in sample.media:
+        for ref in refs:
             n, seg = self.image_tokens(ref) if ref.kind == "image" else self.video_tokens(ref)
             media += n
             segments += seg
@@ -361,3 +419,46 @@ class CostModel:
         return SampleCost(
             total, text, media, tuple(segments), vision_flops(segments, self.dims), llm_flops(total, self.dims)
         )
+
+
+_JOB: tuple[Any, Any] | None = None  # (table, cost model) handed to forked estimation workers
+
+
+def _estimate_chunk(shard: tuple[int, int]) -> Any:
+    from keye.data.table import estimate_costs
+
+    assert _JOB is not None
+    return estimate_costs(_JOB[0], _JOB[1], shard=shard)
+
+
+def estimate_parallel(table: Any, cost_model: Any, *, shard: tuple[int, int] = (0, 1), workers: int = 0,
+                      progress: bool = False) -> tuple[Any, list[Any]]:
+    """:func:`keye.data.table.estimate_costs` of the samples ``i % n == k`` (``shard=(k, n)``) of a
+    :class:`~keye.data.table.SampleTable`, split over ``workers`` forked processes (0 or 1: in this process).
+
+    Each worker takes interleaved slices of the shard (so slow and fast rows spread evenly) and reads its
+    samples from the table itself; probes land in the shared on-disk probe cache. The result equals the
+    one-process result: the same cost columns and the same rejected rows (ordered by line).
+    """
+    from keye.data.table import estimate_costs, merge_costs
+
+    if workers <= 1:
+        return estimate_costs(table, cost_model, shard=shard, progress=progress)
+    global _JOB
+    k, n = shard
+    chunks = workers * 4
+    subs = [(k + n * j, n * chunks) for j in range(chunks)]
+    _JOB = (table, cost_model)
+    try:
+        # fork: the table and the cost model (a tokenizer, a processor) reach the workers without pickling.
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.imap_unordered(_estimate_chunk, subs)
+            if progress:
+                from tqdm.auto import tqdm
+
+                parts = tqdm(parts, total=len(subs), desc="estimating costs", unit="slice")
+            done = list(parts)
+    finally:
+        _JOB = None
+    bad = sorted((b for _, part_bad in done for b in part_bad), key=lambda b: b.line)
+    return merge_costs([cols for cols, _ in done]), bad

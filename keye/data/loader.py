@@ -490,16 +490,28 @@ def estimate_all(
     return estimate_costs(open_table(table), cost_model, shard=shard)
 
 
+def _cost_workers(workers: int | None, n: int) -> int:
+    """``cost_workers`` resolved: ``None`` -> up to 4 processes (one per core) for a share of 2,000+ samples."""
+    if workers is not None:
+        return max(0, int(workers))
+    return min(4, os.cpu_count() or 1) if n >= 2000 else 0
+
+
 def _estimate_distributed(
-    table: SampleTable, cost_model: SupportsCost, world_size: int, rank: int
+    table: SampleTable, cost_model: SupportsCost, world_size: int, rank: int, workers: int | None = None,
 ) -> tuple[CostColumns, list[BadRow]]:
-    """Each rank probes/estimates 1/world of the samples, then all ranks exchange results, so a cold probe
-    cache costs every rank 1/world of the work (falls back to all samples without a matching process group).
+    """Each rank probes/estimates 1/world of the samples (in ``workers`` processes, see :func:`_cost_workers`),
+    then all ranks exchange results, so a cold probe cache costs every rank 1/world of the work (falls back to
+    all samples without a matching process group).
     """
+    from keye.data.cost import estimate_parallel
+
     dist = torch.distributed
+    progress = len(table) >= 10_000
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size > 1):
-        return estimate_costs(table, cost_model, progress=len(table) >= 10_000)
-    cols, bad = estimate_costs(table, cost_model, shard=(rank, world_size), progress=len(table) >= 10_000)
+        return estimate_parallel(table, cost_model, workers=_cost_workers(workers, len(table)), progress=progress)
+    cols, bad = estimate_parallel(table, cost_model, shard=(rank, world_size), progress=progress,
+                                  workers=_cost_workers(workers, len(table) // world_size))
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (cols, bad))
     merged = merge_costs([g[0] for g in gathered])
@@ -509,7 +521,7 @@ def _estimate_distributed(
 
 def _table_costs(
     table: SampleTable, processor: Any, cost_model: SupportsCost | None, probe_cache: Any,
-    processor_kwargs: dict[str, Any] | None, world_size: int, rank: int,
+    processor_kwargs: dict[str, Any] | None, world_size: int, rank: int, workers: int | None = None,
 ) -> tuple[CostColumns, list[BadRow]]:
     """The cost columns of ``table``: the ones stored in an index when they were made for this processor and
     thinking mode (and no other cost model was asked for), else estimated now (split over the ranks)."""
@@ -524,7 +536,7 @@ def _table_costs(
     if len(table) >= 10_000:
         log.warning("estimating the costs of %d samples now (%s); build an index with 'keye data index "
                     "--processor ...' for this processor to skip this", len(table), table.path)
-    return _estimate_distributed(table, cost_model, world_size, rank)
+    return _estimate_distributed(table, cost_model, world_size, rank, workers)
 
 
 def build_dataloader(
@@ -551,6 +563,7 @@ def build_dataloader(
     fill: float = 0.9,
     processor_kwargs: dict[str, Any] | None = None,
     group_size: int = 1,
+    cost_workers: int | None = None,
 ) -> KeyeDataLoader:
     """Build the training loader for this rank.
 
@@ -584,6 +597,8 @@ def build_dataloader(
             group's first rank reads and decodes them (in its worker processes) and sends the collated tensors
             to the others over a gloo process group (with a matching initialised ``torch.distributed``;
             otherwise each rank reads them itself, with the same result). Resume state is unchanged.
+        cost_workers: processes estimating this rank's share of the costs when they are not stored in an index
+            (0: in this process; default: up to 4 for a share of 2,000 samples or more).
 
     Raises:
         KeyeInputError: unreadable manifest, or too many bad rows before training starts.
@@ -592,7 +607,8 @@ def build_dataloader(
     table = open_table(manifest, root)
     world_size, rank = _dist_layout(world_size, rank)
     layout = DataGroups(world_size, rank, group_size)
-    costs, cost_bad = _table_costs(table, processor, cost_model, probe_cache, processor_kwargs, world_size, rank)
+    costs, cost_bad = _table_costs(table, processor, cost_model, probe_cache, processor_kwargs, world_size, rank,
+                                   cost_workers)
     plan_bad = list(table.bad_rows) + cost_bad
     n_rows = table.num_rows
     if n_rows and len(plan_bad) / n_rows > max_bad_fraction:
