@@ -4,8 +4,8 @@ One packed row of 16,384 tokens: a Keye-VL-1.5 video sample (32 frames of 16 x 1
 2,048-token answer) followed by text samples of up to 4,096 tokens (the row of :func:`keye.testing.long_row.
 long_video_row`), a KeyeVL with the tiny vision tower and a small decoder (hidden 256, 4 layers, 8 query / 4 KV
 heads), float32 on CPU. Each side runs one real SFT step, :func:`keye.sft.step.optimizer_step` (forward,
-backward, clipping, AdamW, the chunked loss), in fresh processes started with torchrun on the same seeded model
-and row:
+backward, clipping, AdamW, the chunked loss), in fresh processes (a gloo group set up from torchrun's environment
+variables) on the same seeded model and row:
 
 - context parallel 1: one process, the whole row;
 - context parallel 2: two gloo processes under DDP with ``context_parallel`` = 2: each holds half the row through
@@ -99,17 +99,35 @@ def worker(args: argparse.Namespace) -> None:
         kdist.cleanup()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_side(args: argparse.Namespace, cp: int) -> dict:
-    """One step with ``cp`` ranks in fresh processes (torchrun); the largest rank's memory and rank 0's values."""
+    """One step with ``cp`` ranks in fresh processes (started directly with torchrun's environment variables, which
+    spares a launcher process); the largest rank's memory and rank 0's values."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", __file__,
-               "--worker", f"--out={out}", f"--tokens={args.tokens}", f"--hidden={args.hidden}",
-               f"--layers={args.layers}", f"--frames={args.frames}", f"--answer={args.answer}"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // cp)), "KEYE_LOG_LEVEL": "WARNING"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"context parallel {cp} side failed (exit {proc.returncode}; -9: out of memory):\n"
-                               f"{proc.stderr[-4000:]}")
+        cmd = [sys.executable, __file__, "--worker", f"--out={out}", f"--tokens={args.tokens}",
+               f"--hidden={args.hidden}", f"--layers={args.layers}", f"--frames={args.frames}",
+               f"--answer={args.answer}"]
+        base = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // cp)), "KEYE_LOG_LEVEL": "WARNING",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(cp)}
+        logs = [Path(out, f"rank{r}.log") for r in range(cp)]  # files, not pipes: a full pipe would stall a rank
+        procs = []
+        for r, log in enumerate(logs):
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=f,
+                                              stdout=subprocess.DEVNULL))
+        failed = [(r, p.wait()) for r, p in enumerate(procs)]
+        failed = [(r, code) for r, code in failed if code != 0]
+        if failed:
+            r, code = failed[0]
+            raise RuntimeError(f"context parallel {cp} side: rank {r} failed (exit {code}; -9: out of memory):\n"
+                               f"{logs[r].read_text()[-4000:]}")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(cp)]
     return {**ranks[0], "mib": max(r["mib"] for r in ranks), "per_rank": [round(r["mib"]) for r in ranks]}
 
