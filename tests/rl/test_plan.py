@@ -239,6 +239,40 @@ def test_logprob_chunk_peak(dtype):
         assert planned == pytest.approx(mem.peak - base, rel=0.15), chunk
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprob_head_with_answer_length(dtype):
+    """A head wide enough that its float32 gradient sum and a 16-bit head's g^T h temporaries outweigh the chunk's
+    buffers: the measured backward peak of chunked_token_logprobs (above what the forward left, the final
+    gradients excluded) vs logprob_chunk_bytes within 10 % at 256 and 1024 answer tokens, and what the longer
+    answers add within 15 % of the plan's answer-length term."""
+    from keye.train.logprobs import chunked_token_logprobs
+
+    td = getattr(torch, dtype)
+    d, v = 128, 2048
+    text = TextConfig(vocab_size=v, hidden_size=d, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, mrope_section=(2, 3, 3))
+    config = KeyeVLConfig(variant="1.5", text=text, vision=small_config().vision, torch_dtype="float32")
+    measured, planned = {}, {}
+    for m in (256, 1024):
+        torch.manual_seed(0)
+        head = torch.nn.Linear(d, v, bias=False).to(td)
+        hidden = torch.randn(m, d, dtype=td, requires_grad=True)
+        with LiveBytes() as mem:
+            hooks = mem.exclude_grads([head.weight, hidden])
+            lp, ent = chunked_token_logprobs(hidden, torch.arange(m), torch.randint(0, v, (m,)), head,
+                                             with_entropy=True, chunk_size=64)
+            loss = lp.sum() + ent.sum()
+            base = mem.current()
+            mem.peak = 0
+            loss.backward()
+        for h in hooks:
+            h.remove()
+        measured[m] = mem.peak - base
+        planned[m] = logprob_chunk_bytes(config, dtype=dtype, chunk=64, response_tokens=m)
+        assert planned[m] == pytest.approx(measured[m], rel=0.10), m
+    assert planned[1024] - planned[256] == pytest.approx(measured[1024] - measured[256], rel=0.15)
+
+
 def test_kv_cache_bytes_per_token_equal_the_models_cache():
     """The rollout KV bytes per token (at bf16) equal the bytes per position of keye's own KV cache after a
     prefill of a bf16 model."""
@@ -297,7 +331,10 @@ def test_plan_scales_with_gpus_and_checkpointing():
     assert off.item("activations saved (without checkpointing)") > 10 * p8.item("activations saved (with checkpointing)")
     assert not off.fits and "learner phase needs" in off.reason
     whole = plan_memory(c, world_size=8, **{**kw, "logprob_chunk": None})
-    assert whole.item("log-prob chunk (chunk x vocab)") > 5 * p8.item("log-prob chunk (chunk x vocab)")
+    head = "log-prob head (chunk x vocab, answer rows)"
+    assert whole.item(head) > 2 * p8.item(head)
+    longer = plan_memory(c, world_size=8, **{**kw, "response_tokens": 4 * 6144})
+    assert longer.item(head) - p8.item(head) == 4 * 3072 * (2 * 4096 + 28)  # the answer-length term alone
 
 
 def test_bad_input_is_named():

@@ -53,19 +53,31 @@ ENGINES = ("vllm", "keye")
 # gradient): autograd frees each buffer as soon as its consumer has run. Counted from
 # keye.train.logprobs._chunk_stats and measured on CPU by tests/rl/test_plan.py.
 _CHUNK_F32_BUFFERS = 2
+# per answer token in keye.train.logprobs._LinearLogprobs: float32 lse, entropy and log-prob, int64 row and label
+_ANSWER_ROW_BYTES = 3 * FP32 + 2 * 8
 
 
 def logprob_chunk_bytes(config: KeyeVLConfig, *, dtype: str, chunk: int | None, response_tokens: int) -> int:
-    """Peak bytes of the chunked log-softmax over the vocabulary (:func:`keye.train.logprobs.chunked_token_logprobs`).
+    """Peak bytes of the chunked log-softmax's backward (:func:`keye.train.logprobs.chunked_token_logprobs`, the
+    ``nn.Linear`` path) above the activations, for ``response_tokens`` answer tokens: the chunk term and the
+    answer-length term.
 
-    ``rows x vocab x 4 x 2`` with ``rows = min(chunk, responses)`` (two float32 buffers of one chunk), plus,
-    when there is more than one chunk, the chunk's ``lm_head`` weight gradient (``vocab x D x b``) that
-    exists before it is added to the accumulated one. ``chunk=None`` is one chunk of all response rows.
+    Chunk: two float32 ``[rows, vocab]`` buffers, ``rows = min(chunk, responses)`` (``chunk=None``: all rows),
+    next to the head's gradient summed in float32 (``4VD``); for a 16-bit head, once the float32 buffers are
+    freed, one chunk's ``g^T h`` in the head's dtype and its float32 copy (``rows V b + (b + 4) VD``), and at the
+    end the float32 sum cast back (``b VD``). Answer length: the hidden rows' gradient (``b D`` per answer token)
+    and the per-row float32 log-sum-exp, entropy and log-prob with the int64 row and label indices (28 bytes per
+    answer token); the gathered hidden rows themselves are counted with the activations.
     """
-    rows = response_tokens if chunk is None else min(chunk, response_tokens)
     t = config.text
-    head_grad = t.vocab_size * t.hidden_size * dtype_bytes(dtype) if rows < response_tokens else 0
-    return rows * t.vocab_size * FP32 * _CHUNK_F32_BUFFERS + head_grad
+    b, v, vd = dtype_bytes(dtype), t.vocab_size, t.vocab_size * t.hidden_size
+    rows = response_tokens if chunk is None else min(chunk, response_tokens)
+    buffers = rows * v * FP32 * _CHUNK_F32_BUFFERS
+    if b == FP32:
+        head = buffers + FP32 * vd
+    else:
+        head = FP32 * vd + max(buffers, rows * v * b + (b + FP32) * vd, b * vd)
+    return head + (b * t.hidden_size + _ANSWER_ROW_BYTES) * response_tokens
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -312,9 +324,9 @@ def _learner_phase(acc: _Items, state: dict[str, Any], counts: ParamCounts, mode
     ckpt = "with" if checkpointing else "without"
     acc.add(f"activations saved ({ckpt} checkpointing)", act.saved, "learner", batch)
     acc.add("backward working set (recompute + grads)", act.backward_peak - act.saved, "learner")
-    chunk = acc.add("log-prob chunk (chunk x vocab)", logprob_chunk_bytes(model_config, dtype=dtype, chunk=logprob_chunk,
+    chunk = acc.add("log-prob head (chunk x vocab, answer rows)", logprob_chunk_bytes(model_config, dtype=dtype, chunk=logprob_chunk,
                                                                           response_tokens=response_tokens),
-                    "learner", f"chunk {logprob_chunk}, vocab {model_config.text.vocab_size}")
+                    "learner", f"chunk {logprob_chunk}, vocab {model_config.text.vocab_size}, {response_tokens} answer tokens")
     update_peak = state["resident"] + grads + working + act.backward_peak + chunk
     # optimizer step: activations are gone; foreach AdamW makes one temporary the size of the states it updates,
     # explicit data-parallel averaging one flat copy of the gradients
