@@ -197,7 +197,7 @@ def cost_fingerprint(cost_model: Any) -> str:
     probe = "Keye-VL 视频 0.5 s <think>\n</think> 12:34 The answer is (B)."
     template = proc.chat_template
     parts = {
-        "class": f"{type(cost_model).__module__}.{type(cost_model).__qualname__}",
+        "class": getattr(cost_model, "fingerprint_name", f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"),
         "variant": getattr(cost_model, "variant", None),
         "mode": getattr(cost_model, "mode", None),
         "slowfast_exact": getattr(cost_model, "slowfast_exact", None),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 import shutil
 import tarfile
 from pathlib import Path
@@ -174,7 +175,7 @@ def test_resume_mid_epoch_on_an_index_equals_the_uninterrupted_order(small_synth
     full = ids(build_dataloader(tmp_path / "index", tiny_processor, **kw))
     first = build_dataloader(tmp_path / "index", tiny_processor, **kw)
     got = ids(first, 2)
-    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps
+    state = pickle.loads(pickle.dumps(first.state_dict()))  # what a checkpoint keeps
     del first  # the run is killed here
     resumed = build_dataloader(tmp_path / "index", tiny_processor, **kw)
     resumed.load_state_dict(state)
