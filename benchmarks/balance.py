@@ -10,7 +10,7 @@ cost model's Keye-VL-8B FLOPs formulas (keye.data.cost). Strategies:
   ours         LPT on estimated FLOPs + pairwise swap refinement (keye.data.balance.balance)
 
 Prints the median over steps of max/mean per-rank FLOPs; the last line is ours. Target: <= 1.05.
-Usage: python benchmarks/balance.py [--steps 50] [--full]
+Usage: python benchmarks/balance.py [--steps 50] [--full] [--quick]
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--per-rank", type=int, default=32)
     ap.add_argument("--full", action="store_true", help="500 steps")
+    ap.add_argument("--quick", action="store_true", help="3 steps (checks the script runs)")
     args = ap.parse_args()
-    steps = 500 if args.full else args.steps
+    steps = 3 if args.quick else 500 if args.full else args.steps
     rnd = random.Random(0)
     res: dict[str, list[float]] = {"random": [], "token-count": [], "ours (LPT only)": [], "ours": []}
     t_ours = []

@@ -82,3 +82,23 @@ def test_group_size_must_divide_the_world(tmp_path: Path):
     b = [fingerprint(b) for b in _loader(manifest, world_size=4, rank=3, group_size=2)]
     c = [fingerprint(b) for b in _loader(manifest, world_size=2, rank=1)]
     assert a == b == c
+
+
+def test_resumed_epoch_resumes_again_exactly(tmp_path: Path):
+    """2 ranks -> 1 rank, saved again inside the rest of that epoch and resumed on 1 rank: the same batches as
+    the first 1-rank loader, so a state inside an elastically resumed epoch is exact too."""
+    manifest = write_manifest(tmp_path / "train.jsonl", 30)
+    two = [_loader(manifest, world_size=2, rank=r) for r in range(2)]
+    running = [iter(dl) for dl in two]
+    handed = [i for it in running for _ in range(3) for i in next(it)["sample_ids"]]
+    one = _loader(manifest, world_size=1, rank=0)
+    one.load_state_dict(two[0].state_dict())
+    it = iter(one)
+    first = [fingerprint(next(it))]
+    state = one.state_dict()
+    rest = [fingerprint(b) for b in it]
+    again = _loader(manifest, world_size=1, rank=0)
+    again.load_state_dict(state)
+    assert [fingerprint(b) for b in again] == rest
+    assert sorted(handed + [i for f in first + rest for i in f[2]]) == list(range(30))
+
