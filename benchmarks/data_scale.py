@@ -90,12 +90,13 @@ def rank_main(source: str, proc_dir: str, cache: str, out: str) -> None:
         # What both sides import on first use (the cost model, the index reader, the decoders), imported before
         # the measurement: the figure is the loader's data, not modules.
         import av  # noqa: F401
-        import pyarrow.ipc  # noqa: F401
+        import pyarrow as pa
 
         import keye.data.cost  # noqa: F401
         import keye.data.index  # noqa: F401
         import keye.processing.video  # noqa: F401
 
+        pa.array([0]).to_numpy()  # pyarrow loads its numpy bridge (~50 MiB) on first use
         proc([[{"role": "user", "content": "warm up"}]], return_tensors="pt", for_training=True)
         with PeakRSS(interval=0.01) as mem:
             t0 = time.perf_counter()
