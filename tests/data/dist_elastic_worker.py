@@ -72,6 +72,8 @@ def main() -> None:
             resumed = loader(manifest, world_size=1, rank=0)
             resumed.load_state_dict(state)
             rec["group_resumed"] = [fingerprint(b) for b in resumed]
+        # The same with the reader decoding in a prefetching worker process.
+        rec["group_workers"] = [fingerprint(b) for b in loader(manifest, group_size=2, num_workers=1)]
         if rank == 0:
             rec["single"] = [fingerprint(b) for b in loader(manifest, world_size=1, rank=0)]
         gathered: list = [None] * dist.get_world_size()

@@ -37,7 +37,7 @@ def test_elastic_resume_and_one_group_under_torchrun(tmp_path: Path):
     assert sorted(_flat(r0["one_first"]) + _flat(r0["two_rest"]) + _flat(r1["two_rest"])) == list(range(N))
     assert len(r0["two_rest"]) == len(r1["two_rest"]) > 0
     # One group of two ranks: the same micro-batches on both, equal to the 1-process loader's; rank 1 read none.
-    assert r0["group"] == r1["group"] == r0["single"]
+    assert r0["group"] == r1["group"] == r0["single"] == r0["group_workers"] == r1["group_workers"]
     assert len(r0["group"]) == r0["group_len"] >= 4
     assert r0["group_reads"] >= N and r1["group_reads"] == 0
     assert r1["group_resumed"] == r0["single"][2:]
