@@ -237,6 +237,15 @@ def open_table(source: str | os.PathLike[str] | Manifest | SampleTable,
     raise KeyeInputError(f"cannot read a training set from a {type(source).__name__}")
 
 
+def has_multi_answer_rows(table: SampleTable) -> bool:
+    """True when a sample of ``table`` is a multi-answer row (an index answers from its ``answers`` column
+    without reading rows)."""
+    numeric = getattr(table, "numeric", None)
+    if numeric is not None:
+        return bool((numeric("answers") > 0).any())
+    return any(table.sample(i).answers is not None for i in range(len(table)))
+
+
 def estimate_costs(table: SampleTable, cost_model: Any, *, shard: tuple[int, int] = (0, 1),
                    progress: bool = False) -> tuple[CostColumns, list[BadRow]]:
     """Run ``cost_model`` (a :class:`keye.data.cost.CostModel` or anything with ``estimate(sample)``) over

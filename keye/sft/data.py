@@ -25,12 +25,12 @@ def build_sft_loader(cfg: SFTConfig, processor: Any, model_config: Any, info: kd
     and iterates the same micro-batches, each reading them itself."""
     from keye.data.cost import CostModel
     from keye.data.loader import build_dataloader
-    from keye.data.manifest import read_manifest
+    from keye.data.table import has_multi_answer_rows, open_table
 
-    manifest = read_manifest(cfg.data.manifest, cfg.data.root)
+    manifest = open_table(cfg.data.manifest, cfg.data.root)  # a JSONL file, or an index folder (keye data index)
     tree_mode = cfg.train.tree
     loader_processor, cost_model = processor, None
-    if tree_mode == "on" or any(s.answers is not None for s in manifest.samples):
+    if tree_mode == "on" or has_multi_answer_rows(manifest):
         loader_processor = TreeSampleProcessor(processor, model_config)
         cost_model = TreeCostModel(CostModel.from_processor(processor, mode=cfg.data.processor_kwargs.get("mode")),
                                    shared=tree_mode != "off")

@@ -212,3 +212,27 @@ def test_streaming_check_reports_what_check_manifest_reports(small_synth: Path, 
         on_index = check_source(tmp_path / f"index-{proc is None}", processor=proc, cache=cache)
         assert on_index.summary == want.summary
         assert [(b.line, b.id) for b in on_index.bad_rows] == [(b.line, b.id) for b in want.bad_rows]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_on_an_index_equal_the_one_process_run(small_synth: Path, tmp_path: Path):
+    from keye.processing.processor import KeyeProcessor
+    from keye.testing.processor import make_tiny_processor_dir
+    from tests.torchrun import torchrun
+
+    proc_dir = make_tiny_processor_dir(tmp_path / "proc", "preview")
+    proc = KeyeProcessor.from_pretrained(proc_dir)
+    cache = ProbeCache(tmp_path / "probe.sqlite")
+    _index([small_synth], tmp_path / "index", proc, cache)
+    out = tmp_path / "result.json"
+    torchrun([Path(__file__).with_name("dist_index_worker.py"), tmp_path / "index", proc_dir, cache.path, out],
+             timeout=300)
+    ranks = json.loads(out.read_text())
+    assert [(r["rank"], r["world"], r["stored"]) for r in ranks] == [(0, 2, True), (1, 2, True)]
+    for r in ranks:  # the same micro-batches as the one-process loader planning for that rank
+        dl = build_dataloader(tmp_path / "index", proc, batch_tokens=2048, micro_batches=2, num_workers=0, seed=6,
+                              probe_cache=cache, world_size=2, rank=r["rank"])
+        assert [[b["sample_ids"], int(b["input_ids"].sum())] for b in dl] == r["batches"]
+        assert r["read"] == sorted(i for ids, _ in r["batches"] for i in ids)  # it read only its own samples
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) >= 2
+    assert sorted(ranks[0]["read"] + ranks[1]["read"]) == list(range(12))  # together: every sample once
