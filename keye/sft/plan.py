@@ -233,8 +233,9 @@ def _check(strategy: str, dtype: str, gpus: int, seq_len: int, micro_batch: int,
     if heads % context_parallel:
         raise KeyeConfigError(f"context_parallel={context_parallel} must divide the {heads} attention heads "
                               "(Ulysses all-to-all splits heads over the group)")
-    if seq_len % context_parallel:
-        raise KeyeConfigError(f"seq_len={seq_len} must be a multiple of context_parallel={context_parallel}")
+    if context_parallel > 1 and strategy not in ("ddp", "fsdp2"):
+        raise KeyeConfigError(f"context_parallel={context_parallel} needs strategy ddp or fsdp2, got {strategy} "
+                              "(as train.context_parallel)")
     if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
         raise KeyeConfigError(f"loss_chunk_tokens must be >= 1 or None, got {loss_chunk_tokens}")
     if gpu_memory_gb <= 0:
@@ -283,7 +284,7 @@ def plan_sft_memory(
         :class:`SFTMemoryPlan`; ``fits`` is False with the largest item named when the peak exceeds the GPU.
     Raises:
         KeyeConfigError: a setting the plan cannot take (unknown strategy, a CP degree that does not divide the
-            GPUs, the heads or the row, ...).
+            GPUs or the heads, with a ZeRO strategy, ...).
     """
     answer = seq_len - vision_tokens if answer_tokens is None else answer_tokens
     _check(strategy, dtype, gpus, seq_len, micro_batch, vision_tokens, answer, context_parallel, loss_chunk_tokens,
@@ -297,7 +298,7 @@ def plan_sft_memory(
     step = resident["grads"] + resident["working"]
     # one rank's share of the micro-batch: 1/N of each row's tokens, patches and targets
     m2 = model_config.vision.spatial_merge_size ** 2
-    tokens = micro_batch * seq_len // cp
+    tokens = micro_batch * -(-seq_len // cp)  # each row padded to a multiple of N, then split
     patches = -(-micro_batch * vision_tokens * m2 // cp)
     targets = -(-micro_batch * answer // cp)
     vision_frozen = "vision" in frozen or (lora is not None and "vision" in lora.targets)
@@ -428,15 +429,17 @@ def _lora_act(config: KeyeVLConfig, counts: ParamCounts, lora: LoraPlan | None, 
 
 def _cp_item(acc: Items, config: KeyeVLConfig, *, b: int, amp: bool, cp: int, tokens: int, micro_batch: int,
              seq_len: int, vision_tokens: int) -> int:
-    """Context parallelism's extra bytes (an estimate from the layout, not measured): the full row's input
-    embeddings before the split and the vision tower's merged tokens gathered from the group, plus one layer's
-    all-to-all buffers (the q, k, v sent and the output received, ``b x tokens x (2Q + 2K)``)."""
+    """Context parallelism's extra bytes on a rank (an estimate from the layout of docs/training.md §10.6, not
+    measured): the whole row's input embeddings and 3-D positions, built on every rank before the split, the group's
+    vision features all-gathered, and one layer's all-to-all buffers (the q, k, v sent and the output received,
+    ``b x tokens x (2Q + 2K')`` with the KV heads repeated to ``lcm(Hkv, N)`` when N does not divide them)."""
     if cp == 1:
         return 0
     t = config.text
-    q, k = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    kv_heads = math.lcm(t.num_key_value_heads, cp)
+    q, k = t.num_attention_heads * t.head_dim, kv_heads * t.head_dim
     embed_b = FP32 if amp else b
-    full = micro_batch * (embed_b * t.hidden_size * seq_len + b * t.hidden_size * vision_tokens)
+    full = micro_batch * ((embed_b * t.hidden_size + 3 * 8) * seq_len + b * t.hidden_size * vision_tokens)
     a2a = b * tokens * (2 * q + 2 * k)
     return acc.add("context parallel: full-row embeddings + all-to-all", full + a2a, "step",
                    f"estimate; {cp} ranks per row")

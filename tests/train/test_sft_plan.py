@@ -216,6 +216,7 @@ def test_cli_does_not_fit_names_the_largest_item():
     (["--context-parallel", "3"], "context_parallel=3 must divide gpus=8"),
     (["--gpus", "24", "--context-parallel", "12", "--seq-len", "36864"], "must divide the 32 attention heads"),
     (["--seq-len", "8k"], "--seq-len must be integers"),
+    (["--strategy", "zero3", "--context-parallel", "2"], "context_parallel=2 needs strategy ddp or fsdp2"),
     (["--vision-fraction", "1.5"], "--vision-fraction"),
 ])
 def test_cli_bad_settings_are_named(args, message, capsys):
@@ -243,3 +244,20 @@ def test_readme_table_is_what_the_planner_prints():
     rc, out = _cli(*command.split()[3:])
     assert rc == 0 and out.strip() == table.strip()
     assert CONFIG_8B.is_file()
+
+
+def test_docs_commands_run_and_the_example_is_what_the_first_prints():
+    """docs/sft_memory.md: each `keye sft plan` command runs; the example table's rows (notes abridged there) are
+    the first command's (name, phase and GiB)."""
+    doc = (REPO_ROOT / "docs/sft_memory.md").read_text()
+    commands = [line.split("#")[0].split() for line in doc.splitlines() if line.startswith("keye sft plan")]
+    assert len(commands) == 3
+    outputs = []
+    for argv in commands:
+        rc, out = _cli(*argv[3:])
+        assert rc == 0, argv
+        outputs.append(out)
+    example = doc[doc.index("```\nitem "):].split("```")[1].strip().splitlines()
+    printed = {line[:79] for line in outputs[0].splitlines()}
+    for line in example:
+        assert line[:79] in printed, line
