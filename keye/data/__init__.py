@@ -4,7 +4,8 @@ video-QA set and CLIP-score filtering.
 Public pieces: :func:`read_manifest` / :func:`check_manifest` (manifest.py), :func:`probe_media` and
 :class:`ProbeCache` (probe.py), :class:`CostModel` / :class:`SampleCost` (cost.py), :func:`balance`
 (balance.py), :func:`pack_ffd` / :func:`length_buckets` (packing.py), :class:`BalancedSampler`
-(sampler.py), :func:`build_dataloader` / :class:`KeyeDataLoader` (loader.py), :func:`generate` (synth.py).
+(sampler.py), :func:`build_dataloader` / :class:`KeyeDataLoader` (loader.py), :class:`DataGroups` (groups.py:
+data-parallel groups of ranks), :func:`estimate_parallel` (cost.py), :func:`generate` (synth.py).
 CLIP filtering lives in :mod:`keye.data.clip_filter` (imports open_clip on use), the synthetic set's answer
 check in :mod:`keye.data.synth_answers` and the resumable append-only JSONL of records in
 :mod:`keye.data.records`.
@@ -22,6 +23,7 @@ _LAZY = {
     "BalancedSampler": "keye.data.sampler",
     "CheckReport": "keye.data.manifest",
     "CostModel": "keye.data.cost",
+    "DataGroups": "keye.data.groups",
     "EpochPlan": "keye.data.sampler",
     "KeyeDataLoader": "keye.data.loader",
     "Manifest": "keye.data.manifest",
@@ -37,6 +39,7 @@ _LAZY = {
     "check_manifest": "keye.data.manifest",
     "collate_packed": "keye.data.collate",
     "collate_padded": "keye.data.collate",
+    "estimate_parallel": "keye.data.cost",
     "generate": "keye.data.synth",
     "generate_split": "keye.data.synth",
     "imbalance": "keye.data.balance",
@@ -57,6 +60,7 @@ __all__ = [
     "BalancedSampler",
     "CheckReport",
     "CostModel",
+    "DataGroups",
     "EpochPlan",
     "KeyeDataLoader",
     "Manifest",
@@ -72,6 +76,7 @@ __all__ = [
     "check_manifest",
     "collate_packed",
     "collate_padded",
+    "estimate_parallel",
     "generate",
     "generate_split",
     "imbalance",
