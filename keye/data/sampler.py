@@ -224,6 +224,8 @@ class BalancedSampler:
             raise KeyeConfigError("length_grouped applies to batch_size mode (padded training)")
         self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         self.costs = np.asarray(costs, dtype=np.float64).reshape(-1)
+        if (self.costs < 0).any():
+            raise KeyeConfigError("costs must be non-negative")
         self.world_size, self.rank = world_size, rank
         self.batch_size, self.batch_tokens = batch_size, batch_tokens
         self.micro_batches = micro_batches
