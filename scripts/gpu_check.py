@@ -40,6 +40,11 @@ Checks (``--only`` names):
   :func:`keye.rl.learner.plan.plan_memory`'s learner phase (CUDA context excluded): the plan must not be below the
   measurement (2 % slack for allocator rounding) nor above 1.3x of it, with and without gradient
   checkpointing.
+* ``sft_memory``: one SFT optimizer step (:func:`keye.sft.step.optimizer_step`: bf16 autocast over float32
+  trainable weights as the recipe loads them, the chunked loss, AdamW) of the same mid-size config on a packed
+  4,096-token row with an image, peak ``torch.cuda.max_memory_allocated`` against
+  :func:`keye.sft.plan.plan_sft_memory`'s peak (no overhead line): planned / measured in [0.98, 1.3], with and
+  without gradient checkpointing.
 
 Exit status: 0 when nothing failed, 1 when a check failed, 2 without CUDA ("needs CUDA").
 """
@@ -58,7 +63,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "keye_preview_tiny"
 BF16_U = 2.0**-8  # bfloat16 unit roundoff (8 significand bits)
-CHECKS = ("golden", "flash", "context", "memory", "vllm")
+CHECKS = ("golden", "flash", "context", "memory", "sft_memory", "vllm")
 
 
 @dataclass
@@ -337,6 +342,56 @@ def check_memory(device: str) -> list[Row]:
     return out
 
 
+def check_sft_memory(device: str) -> list[Row]:
+    """:func:`keye.sft.plan.plan_sft_memory`'s peak against the measured peak of one real SFT step on the GPU."""
+    import torch
+
+    from keye.model.keye_vl import KeyeVL
+    from keye.sft.plan import plan_sft_memory
+    from keye.sft.step import optimizer_step
+    from keye.train.dist import DistInfo, Wrapped
+    from keye.train.plan import GiB
+
+    config, length, grid, chunk = _memory_config(layers=4), 4096, (1, 32, 32), 512
+    vision, answer_from = grid[1] * grid[2] // 4, length // 2
+    out = []
+    for ckpt in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(0)
+        model = KeyeVL(config).to(device=device, dtype=torch.bfloat16).train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        for p in model.parameters():  # the recipe's bf16 training: float32 weights, bf16 autocast (keye/sft/model.py)
+            p.data = p.data.float()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 30000, (1, length), generator=g)
+        ids[0, 4:4 + vision] = config.image_token_id
+        labels = ids.clone()
+        labels[0, :answer_from] = -100
+        mb = {"input_ids": ids, "attention_mask": torch.ones(1, length, dtype=torch.long), "labels": labels,
+              "seq_lens": torch.tensor([length]), "packed": True, "image_grid_thw": torch.tensor([list(grid)]),
+              "pixel_values": torch.randn(grid[1] * grid[2], 3, 14, 14, generator=g),
+              "num_label_tokens": int((labels[0, 1:] != -100).sum()), "num_tokens": length, "num_samples": 1}
+        optimizer_step([mb], Wrapped(model, model, "none"), opt, DistInfo(device=torch.device(device)), amp=True,
+                       tree_mode="off", pad_token_id=0, grad_clip=1.0, step=0, loss_chunk_tokens=chunk)
+        measured = torch.cuda.max_memory_allocated(device)
+        del model, opt, mb
+        plan = plan_sft_memory(config, gpus=1, strategy="ddp", seq_len=length, vision_tokens=vision,
+                               answer_tokens=length - answer_from - 1, gradient_checkpointing=ckpt,
+                               loss_chunk_tokens=chunk, overhead_gb=0.0)
+        ratio = plan.peak_bytes / measured
+        out.append(Row(f"SFT memory plan vs max_memory_allocated ({'with' if ckpt else 'no'} checkpointing)",
+                       _status(0.98 <= ratio <= 1.3),
+                       f"planned {plan.peak_bytes / GiB:.3f} GiB, measured {measured / GiB:.3f} GiB (x{ratio:.3f})",
+                       "planned / measured in [0.98, 1.3]"))
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- vLLM
 def check_vllm(device: str, model_path: str | None, max_diff: float, gpu_memory_utilization: float) -> Row:
     """Mean |vLLM log-prob - learner log-prob| on the tokens vLLM sampled."""
@@ -433,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("context parallel", lambda: check_context_parallel(args.device)))
     if "memory" in args.only:
         plan.append(("memory plan", lambda: check_memory(args.device)))
+    if "sft_memory" in args.only:
+        plan.append(("SFT memory plan", lambda: check_sft_memory(args.device)))
     if "vllm" in args.only:  # last: vLLM may keep GPU memory until the process ends
         plan.append(("vLLM vs learner log-probs",
                      lambda: check_vllm(args.device, args.model, args.max_logp_diff, args.gpu_memory_utilization)))
