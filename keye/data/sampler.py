@@ -441,12 +441,12 @@ class BalancedSampler:
         tok = np.add.reduceat(self.tokens[mem], ptr[:-1]) if len(mem) else np.zeros(0, np.int64)
         q = _Queue(ptr, tok)
         W, M = self.world_size, self.micro_batches
-        steps: list[StepPlan] = []
+        flat = _FlatSteps()
         if q and (q.samples_left() < W * M or q.units_left() < W):
-            steps.append(self._sparse_step(q.take_all(), ptr, mem))
+            flat.add(self._sparse_step(q.take_all(), ptr, mem))
         while q:
-            steps.append(self._plan_step(self._take(q), q, ptr, mem))
-        plan = _flatten(epoch, steps, W, M, self.too_long)
+            flat.add(self._plan_step(self._take(q), q, ptr, mem))
+        plan = flat.plan(epoch, W, M, self.too_long)
         self._cache = {key: plan}  # keep only the current epoch
         return plan
 
@@ -460,10 +460,23 @@ class BalancedSampler:
         return self.plan(0).n_steps * self.micro_batches
 
 
-def _flatten(epoch: int, steps: list[StepPlan], W: int, M: int, too_long: list[int]) -> EpochPlan:
-    lengths = [len(mb) for s in steps for r in s.ranks for mb in r]
-    flat = [i for s in steps for r in s.ranks for mb in r for i in mb]
-    return EpochPlan(
-        epoch, W, M, np.asarray(flat, dtype=np.int64), _cumsum0(np.asarray(lengths, dtype=np.int64)),
-        np.asarray([s.overfull for s in steps], dtype=bool), list(too_long),
-    )
+class _FlatSteps:
+    """Steps collected as numpy arrays as they are planned (no Python object per sample kept for the epoch)."""
+
+    def __init__(self) -> None:
+        self.samples: list[np.ndarray] = []
+        self.lengths: list[np.ndarray] = []
+        self.overfull: list[bool] = []
+
+    def add(self, step: StepPlan) -> None:
+        mbs = [mb for r in step.ranks for mb in r]
+        self.lengths.append(np.fromiter((len(mb) for mb in mbs), np.int64, len(mbs)))
+        self.samples.append(np.fromiter((i for mb in mbs for i in mb), np.int64, int(self.lengths[-1].sum())))
+        self.overfull.append(step.overfull)
+
+    def plan(self, epoch: int, W: int, M: int, too_long: list[int]) -> EpochPlan:
+        def cat(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+        return EpochPlan(epoch, W, M, cat(self.samples), _cumsum0(cat(self.lengths)),
+                         np.asarray(self.overfull, dtype=bool), list(too_long))
