@@ -430,16 +430,18 @@ def build_index(
             chunks += shard_chunks(s, number) or [Chunk(number, s.uri, "empty")]  # an empty shard is indexed too
         except KeyeInputError as err:
             bad_shards.append((s.uri, err.reason))
-    new_samples, new_bad, examples = _run_chunks(out, meta, entries, todo, chunks, bad_shards, processor, mode,
+    _, _, examples = _run_chunks(out, meta, entries, todo, chunks, bad_shards, processor, mode,
                                                  cache, workers, progress)
     meta["shards"] = [e for e in meta["shards"] if e.get("key") is not None]
     meta["bad_shards"] = [{"uri": u, "reason": r} for u, r in bad_shards]
     _save_meta(out, meta)
     _check_duplicates(out, meta)
     meta = json.loads((out / INDEX_FILE).read_text())
+    done = {s.uri for s, _ in todo}
+    new = [e for e in meta["shards"] if e["uri"] in done]  # counted after duplicate ids were moved to bad rows
     return IndexReport(out, len(meta["shards"]), len(todo) - len(bad_shards), skipped,
                        sum(e["rows"] for e in meta["shards"]), sum(e["bad"] for e in meta["shards"]),
-                       new_samples, new_bad, bad_shards, examples)
+                       sum(e["rows"] for e in new), sum(e["bad"] for e in new), bad_shards, examples)
 
 
 def _chunk_results(chunks: list[Chunk], processor: Any, mode: str | None, cache: Any, workers: int | None,
