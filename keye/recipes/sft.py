@@ -60,7 +60,7 @@ from keye.sft.model import load_train_model, wrap_for_training
 from keye.sft.step import optimizer_step
 from keye.train import dist as kdist
 from keye.train.checkpoint import Checkpoints, load_checkpoint, save_checkpoint
-from keye.train.context_parallel import ContextParallel, context_parallel_layout
+from keye.train.context_parallel import ContextParallel
 from keye.train.metrics import RunLog
 from keye.train.models import load_processor
 from keye.train.run import start_run
@@ -79,12 +79,11 @@ def train(cfg: SFTConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     tm = load_train_model(cfg, info, resolve_model_path(cfg.model.path))
     processor = load_processor(cfg.model)
     processor.override_preprocessor(cfg.model.preprocessor, where="model.preprocessor")
-    # context parallelism: groups of N consecutive ranks share every micro-batch (each rank builds its group's
-    # loader, keye.sft.data.build_sft_loader) and split each packed row between them
-    layout = context_parallel_layout(info.world_size, info.rank, cfg.train.context_parallel)
-    cp = ContextParallel.create(layout.size, info.rank, info.world_size,
+    # context parallelism: groups of N consecutive ranks share every micro-batch (the loader's data-parallel groups,
+    # keye.sft.data.build_sft_loader) and split each packed row between them
+    cp = ContextParallel.create(cfg.train.context_parallel, info.rank, info.world_size,
                                 num_heads=tm.model.config.text.num_attention_heads)
-    loader = build_sft_loader(cfg, processor, tm.model.config, info, out_dir, layout if cp is not None else None)
+    loader = build_sft_loader(cfg, processor, tm.model.config, info, out_dir)
     steps_per_epoch = max(1, len(loader) // cfg.data.micro_batches)
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
     wrapped, optimizer, scheduler = wrap_for_training(cfg, tm.model, info, total_steps)

@@ -9,20 +9,18 @@ from typing import Any
 from keye.sft.config import SFTConfig
 from keye.sft.trees import TreeCostModel, TreeSampleProcessor
 from keye.train import dist as kdist
-from keye.train.context_parallel import ContextParallelLayout
 
 
-def build_sft_loader(cfg: SFTConfig, processor: Any, model_config: Any, info: kdist.DistInfo, out_dir: Path,
-                     layout: ContextParallelLayout | None = None) -> Any:
+def build_sft_loader(cfg: SFTConfig, processor: Any, model_config: Any, info: kdist.DistInfo, out_dir: Path) -> Any:
     """This rank's :func:`keye.data.loader.build_dataloader` over ``data.manifest``: cost-balanced micro-batches of
     ``data.batch_tokens`` (packed) or ``data.batch_size`` samples, ``data.micro_batches`` per step, bad samples
     skipped and listed in ``bad_samples.jsonl`` (main rank). Rows carry their prefix trees when the manifest has
     multi-answer rows or ``train.tree`` is ``on``; micro-batches are then planned with the cost of the layout that
     runs (the tree's, or the expanded rows' for ``off``).
 
-    ``layout`` (context parallelism): the loader is that of data-parallel replica ``layout.group`` of
-    ``layout.num_groups``, so every rank of a context-parallel group builds the same loader (same seed, same replica)
-    and iterates the same micro-batches, each reading them itself."""
+    With ``train.context_parallel`` = N the data-parallel groups are N consecutive ranks
+    (:func:`keye.train.context_parallel.context_parallel_layout`): every rank of a group yields the same micro-batches,
+    read by the group's first rank and sent to the others (``build_dataloader(group_size=N)``)."""
     from keye.data.cost import CostModel
     from keye.data.loader import build_dataloader
     from keye.data.table import has_multi_answer_rows, open_table
@@ -37,8 +35,8 @@ def build_sft_loader(cfg: SFTConfig, processor: Any, model_config: Any, info: kd
     d = cfg.data
     return build_dataloader(
         manifest, loader_processor, batch_tokens=d.batch_tokens, batch_size=d.batch_size, micro_batches=d.micro_batches,
-        world_size=info.world_size if layout is None else layout.num_groups,
-        rank=info.rank if layout is None else layout.group, seed=cfg.train.seed, num_workers=d.num_workers, packing=d.packing,
+        world_size=info.world_size, rank=info.rank, group_size=cfg.train.context_parallel, seed=cfg.train.seed,
+        num_workers=d.num_workers, packing=d.packing,
         max_bad_fraction=d.max_bad_fraction, processor_kwargs=d.processor_kwargs,
         bad_log=(out_dir / "bad_samples.jsonl") if info.is_main else None, cost_model=cost_model)
 

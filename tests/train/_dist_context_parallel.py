@@ -5,7 +5,8 @@ Args: ``--``-separated jobs, run in turn in one process group:
 - ``model OUT.json CP``: the forward/backward of one long packed row (a 1.5 video and two text samples,
   :func:`keye.testing.long_row.long_video_row`) with ``context_parallel=CP`` against the same model's
   1-process forward on every rank, for several cases (GQA heads, padding, chunked / full loss, gradient
-  checkpointing); rank 0 writes each case's loss and worst relative gradient difference to ``OUT.json``.
+  checkpointing), and three AdamW steps of 2 such rows a step; rank 0 writes each case's loss and worst relative
+  gradient difference, and the parameter difference after the steps, to ``OUT.json``.
 - ``sft OUT_DIR STRATEGY [key=value ...] [stop_after=N]``: an SFT run (``keye.recipes.sft.train``), as
   ``tests/train/_dist_sft.py`` runs them.
 """
@@ -71,6 +72,43 @@ def _case(cp, *, kv_heads: int, text_lens: tuple[int, ...], chunk: int | None, c
             "vision_grads": sum(1 for n in grads if n.startswith("visual."))}
 
 
+def _three_steps(cp) -> dict:
+    """Three AdamW steps of 2 micro-batches (long rows of seeds 0 and 1) with and without the split: the largest
+    parameter difference after them, and the largest update (the comparison is not vacuous)."""
+    from keye.config import tiny_config
+    from keye.model.keye_vl import KeyeVL
+    from keye.testing.long_row import long_video_row
+    from keye.testing.model import init_unit_scale
+    from keye.train.loss import LossRequest
+
+    config = tiny_config("1.5")
+    rows = [long_video_row(config, frames=5, text_lens=(40, 24 + seed), seed=seed) for seed in (0, 1)]
+    keys = ("input_ids", "labels", "seq_lens", "pixel_values_videos", "video_grid_thw")
+    total = float(sum(r["num_label_tokens"] for r in rows))
+    params = {}
+    for split in (None, cp):
+        torch.manual_seed(0)
+        model = init_unit_scale(KeyeVL(config), 0).train()
+        model.always_run_vision = True
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(3):
+            for row in rows:  # the step's loss is the token mean over both micro-batches
+                kw = {} if split is None else {"context_parallel": split}
+                out = model(**{k: row[k] for k in keys}, loss_reduction="sum", loss_request=LossRequest(), **kw)
+                (out.loss / total).backward()
+            if split is not None:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=cp.group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params[split is None] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    start = {n: p.detach() for n, p in init_unit_scale(KeyeVL(config), 0).named_parameters()}
+    ref, got = params[True], params[False]
+    return {"param_max_diff": max(float((got[n] - ref[n]).abs().max()) for n in ref),
+            "update_max": max(float((ref[n] - start[n]).abs().max()) for n in ref)}
+
+
 def _model_job(out_path: str, size: str) -> None:
     from keye.train.context_parallel import ContextParallel
 
@@ -82,6 +120,7 @@ def _model_job(out_path: str, size: str) -> None:
         "one_frame_dummy_rank": dict(kv_heads=2, text_lens=(30, 20), chunk=512, checkpointing=False, frames=1),
     }
     results = {name: _case(cp, **kw) for name, kw in cases.items()}
+    results["three_steps_two_micro_batches"] = _three_steps(cp)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
 

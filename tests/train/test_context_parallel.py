@@ -60,8 +60,11 @@ def test_split_row_loss_and_gradients_equal_one_process(launch):
     """Loss, target count and every parameter's gradient (vision tower included) of a video + two text samples
     row split over 2 ranks equal the 1-process forward's, for GQA KV heads split and repeated (1 KV head), a row
     padded to an even length, the chunked and the full-logits loss, gradient checkpointing, and a one-frame video
-    that leaves a rank without vision items."""
+    that leaves a rank without vision items; and the parameters after three AdamW steps of two such rows a step
+    equal the 1-process ones within 1e-5."""
     cases = json.loads((launch / "model.json").read_text())
+    steps = cases.pop("three_steps_two_micro_batches")
+    assert steps["update_max"] > 1e-3 and steps["param_max_diff"] <= 1e-5, steps
     assert set(cases) == {"kv2_even", "kv1_repeated_padded", "full_logits_checkpointing", "one_frame_dummy_rank"}
     assert cases["kv2_even"]["length"] % 2 == 0 and cases["kv1_repeated_padded"]["length"] % 2 == 1
     for name, c in cases.items():
