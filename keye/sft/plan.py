@@ -429,10 +429,11 @@ def _lora_act(config: KeyeVLConfig, counts: ParamCounts, lora: LoraPlan | None, 
 
 def _cp_item(acc: Items, config: KeyeVLConfig, *, b: int, amp: bool, cp: int, tokens: int, micro_batch: int,
              seq_len: int, vision_tokens: int) -> int:
-    """Context parallelism's extra bytes on a rank (an estimate from the layout of docs/training.md §10.6, not
-    measured): the whole row's input embeddings and 3-D positions, built on every rank before the split, the group's
-    vision features all-gathered, and one layer's all-to-all buffers (the q, k, v sent and the output received,
-    ``b x tokens x (2Q + 2K')`` with the KV heads repeated to ``lcm(Hkv, N)`` when N does not divide them)."""
+    """Context parallelism's extra bytes on a rank (from the layout of docs/training.md §10.6; measured with 2
+    gloo ranks by tests/train/test_sft_plan.py): the whole row's input embeddings and 3-D positions, built on every rank before the split, the group's
+    vision features all-gathered, and one layer's all-to-all buffers (q, k, v concatenated, received and split into
+    contiguous copies, the output sent and received: ``b x tokens x (3 (Q + 2K') + 2Q)``, the KV heads repeated to
+    ``lcm(Hkv, N)`` when N does not divide them)."""
     if cp == 1:
         return 0
     t = config.text
@@ -440,9 +441,11 @@ def _cp_item(acc: Items, config: KeyeVLConfig, *, b: int, amp: bool, cp: int, to
     q, k = t.num_attention_heads * t.head_dim, kv_heads * t.head_dim
     embed_b = FP32 if amp else b
     full = micro_batch * ((embed_b * t.hidden_size + 3 * 8) * seq_len + b * t.hidden_size * vision_tokens)
-    a2a = b * tokens * (2 * q + 2 * k)
+    # one layer's exchange: q/k/v concatenated to send, received, split into contiguous copies; the output sent back
+    # and received
+    a2a = b * tokens * (3 * (q + 2 * k) + 2 * q)
     return acc.add("context parallel: full-row embeddings + all-to-all", full + a2a, "step",
-                   f"estimate; {cp} ranks per row")
+                   f"{cp} ranks per row")
 
 
 __all__ = ["STRATEGIES", "LoraPlan", "SFTMemoryPlan", "head_chunk_bytes", "plan_sft_memory"]

@@ -21,6 +21,7 @@ from keye.sft.plan import LoraPlan, head_chunk_bytes, plan_sft_memory
 from tests.paths import REPO_ROOT
 from tests.rl._memtrack import LiveBytes
 from tests.rl.test_plan import CONFIG_8B, small_config
+from tests.torchrun import torchrun
 
 L, GRID, VISION = 128, (1, 4, 8), 8  # one packed row: 128 tokens, one 4 x 8-patch image (8 merged tokens)
 LAYERS = dict(decoder_layers=2, vision_layers=1)
@@ -130,6 +131,27 @@ def test_autocast_copies_activations_and_peaks(small_ckpt, checkpointing):
     states = plan.item("parameters") + plan.item("AdamW") + plan.item("gradients")
     assert plan.forward_bytes - states == pytest.approx(forward_peak, rel=0.06)
     assert plan.backward_bytes - states == pytest.approx(backward_peak, rel=0.06)
+
+
+@pytest.mark.slow
+def test_context_parallel_rank_memory(tmp_path):
+    """Two gloo ranks split the row (keye.train.context_parallel, tests/train/_dist_sft_plan.py): on the rank that
+    holds more (all targets fall in its half), the bytes alive at the end of the forward and the forward's and the
+    backward's peaks are within 12 % of the plan's with context_parallel=2 (activations halved, the whole row's
+    embeddings and the all-to-all buffers added), with and without checkpointing."""
+    torchrun([REPO_ROOT / "tests/train/_dist_sft_plan.py", tmp_path], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=600,
+             cwd=REPO_ROOT)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for ckpt in (False, True):
+        measured = {k: max(r[str(ckpt)][k] for r in ranks) for k in ranks[0][str(ckpt)]}
+        plan = plan_sft_memory(small_config(**LAYERS), gpus=2, strategy="ddp", seq_len=L, vision_tokens=VISION,
+                               answer_tokens=_micro_batch()["num_label_tokens"], gradient_checkpointing=ckpt,
+                               loss_chunk_tokens=32, overhead_gb=0, context_parallel=2)
+        states = sum(plan.item(n) for n in ("parameters", "AdamW", "gradients", "DDP gradient buckets"))
+        end = plan.item("activations saved") + plan.item("autocast") + plan.item("context parallel")
+        assert end == pytest.approx(measured["end_of_forward"], rel=0.12), ckpt
+        assert plan.forward_bytes - states == pytest.approx(measured["forward_peak"], rel=0.12), ckpt
+        assert plan.backward_bytes - states == pytest.approx(measured["backward_peak"], rel=0.12), ckpt
 
 
 @pytest.mark.parametrize("amp", [True, False])
