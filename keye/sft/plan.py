@@ -97,22 +97,6 @@ def _with_lora(counts: ParamCounts, lora: LoraPlan | None) -> ParamCounts:
                        matmul=counts.matmul | {n for n, _ in adapters})
 
 
-def _numel(counts: ParamCounts, world: int, layout: str, select) -> int:
-    """Elements one rank holds of the parameters ``select(name, trainable)`` picks: whole (``full``), FSDP2's
-    dim-0 chunks (``dim0``) or DeepSpeed's flat partitions (``flat``)."""
-    n = 0
-    for name, shape, trainable in counts.shapes:
-        if not select(name, trainable):
-            continue
-        if layout == "dim0":
-            n += (-(-shape[0] // world) if shape else 1) * math.prod(shape[1:])
-        elif layout == "flat":
-            n += -(-math.prod(shape) // world)
-        else:
-            n += math.prod(shape)
-    return n
-
-
 def head_chunk_bytes(config: KeyeVLConfig, *, dtype: str, amp: bool, chunk: int | None, targets: int,
                      head_trainable: bool = True, hidden_tokens: int = 0) -> tuple[int, int]:
     """``(forward, backward)`` peak bytes of the chunked loss head (:func:`keye.train.loss.chunked_cross_entropy`)
@@ -356,10 +340,17 @@ def _state_items(acc: Items, counts: ParamCounts, *, strategy: str, b: int, amp:
     w = gpus
     layout = {"fsdp2": "dim0", "zero3": "flat"}.get(strategy, "full")
     note = {"dim0": f"1/{w} of each parameter (dim-0 chunks)", "flat": f"1/{w} flat partitions", "full": "full replica"}
-    trainable = _numel(counts, w, layout, lambda n, t: t)
-    frozen_n = _numel(counts, w, layout, lambda n, t: not t)
+    def held(lay: str, trainable_only: bool) -> int:
+        if lay == "dim0":
+            return counts.sharded(w, trainable_only=trainable_only)
+        if lay == "flat":
+            return counts.flat_sharded(w, trainable_only=trainable_only)
+        return counts.trainable if trainable_only else counts.total
+
+    trainable = held(layout, True)
+    frozen_n = held(layout, False) - trainable
     if strategy in ("zero2", "zero3"):
-        part = _numel(counts, w, "flat", lambda n, t: t)  # fp32 master, gradients and states are partitioned
+        part = held("flat", True)  # fp32 master, gradients and states are partitioned
         params = acc.add(f"parameters ({'bf16' if b == 2 else 'fp32'})", b * (trainable + frozen_n), "resident",
                          note[layout])
         master = acc.add("fp32 master weights (DeepSpeed)", FP32 * part if b < FP32 else 0, "resident",

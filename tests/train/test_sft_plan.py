@@ -200,6 +200,39 @@ def test_lora_counts_equal_peft(small_ckpt):
     assert plan.params.total == sum(p.numel() for p in model.parameters())
 
 
+def test_zero_and_fsdp2_state_bytes_follow_their_partitions():
+    """ZeRO-2/3 (bf16 model, DeepSpeed's float32 master, gradients and AdamW states in ceil(numel / W) partitions;
+    ZeRO-3's parameters too) and FSDP2 (float32 trainable shards of ceil(dim0 / W) rows) on 3 ranks."""
+    import math
+
+    from keye.train.plan import count_parameters
+
+    counts = count_parameters(small_config())
+    flat = sum(-(-math.prod(s) // 3) for _, s, _ in counts.shapes)
+    dim0 = sum(-(-s[0] // 3) * math.prod(s[1:]) for _, s, _ in counts.shapes)
+    kw = dict(gpus=3, seq_len=64, overhead_gb=0)
+    z2 = plan_sft_memory(small_config(), strategy="zero2", **kw)
+    z3 = plan_sft_memory(small_config(), strategy="zero3", **kw)
+    f2 = plan_sft_memory(small_config(), strategy="fsdp2", **kw)
+    assert z2.item("parameters (bf16)") == 2 * counts.total and z3.item("parameters (bf16)") == 2 * flat
+    for p in (z2, z3):
+        assert p.item("fp32 master weights") == 4 * flat and p.item("gradients (fp32 partition)") == 4 * flat
+        assert p.item("AdamW states") == 8 * flat and not p.settings["amp"]
+    assert f2.item("parameters") == 4 * dim0 and f2.item("AdamW states") == 8 * dim0 and f2.settings["amp"]
+
+
+def test_cli_takes_the_recipe_settings():
+    """--config: the row length from data.batch_tokens, the strategy, checkpointing and LoRA from the recipe, with
+    its dot-list overrides; flags win over the recipe."""
+    cfg = str(REPO_ROOT / "training/configs/keye_vl_8b_sft.yaml")
+    rc, out = _cli("--config", cfg, "lora.enabled=true", "lora.r=8", "--json")
+    s = json.loads(out)["settings"]
+    assert rc == 0 and (s["seq_len"], s["strategy"], s["gradient_checkpointing"], s["lora_r"]) == (16384, "fsdp2", True, 8)
+    rc, out = _cli("--config", cfg, "--seq-len", "4096", "--strategy", "zero2", "--no-gradient-checkpointing", "--json")
+    s = json.loads(out)["settings"]
+    assert (s["seq_len"], s["strategy"], s["gradient_checkpointing"]) == (4096, "zero2", False)
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 def _cli(*args: str) -> tuple[int, str]:
     from keye.cli import main
