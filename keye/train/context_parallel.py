@@ -3,7 +3,8 @@
 Layout (:func:`context_parallel_layout`): the world of ``W`` ranks is ``W / N`` context-parallel groups of ``N``
 *consecutive* ranks (group = rank // N, rank in group = rank % N). Every rank of a group holds the same
 micro-batches; the groups are the data-parallel replicas, so a loader shards its samples over
-``layout.num_groups`` replicas and ``layout.group`` is this rank's replica index. Gradients are averaged over the
+``layout.num_groups`` replicas and ``layout.group`` is this rank's replica index (the SFT loader:
+``keye.data.loader.build_dataloader(group_size=N)``, where the group's first rank reads and sends). Gradients are averaged over the
 whole world (DDP / FSDP2 on the default group, i.e. dp x cp flattened, as torchtitan shards), which is exact
 because each rank's loss is its slice's summed token loss over the *global* target count.
 
