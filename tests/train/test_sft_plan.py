@@ -138,7 +138,8 @@ def test_context_parallel_rank_memory(tmp_path):
     """Two gloo ranks split the row (keye.train.context_parallel, tests/train/_dist_sft_plan.py): on the rank that
     holds more (all targets fall in its half), the bytes alive at the end of the forward and the forward's and the
     backward's peaks are within 12 % of the plan's with context_parallel=2 (activations halved, the whole row's
-    embeddings and the all-to-all buffers added), with and without checkpointing."""
+    embeddings and the all-to-all buffers added), with and without checkpointing. Under FSDP2 (same launch) autocast's
+    cache holds the bf16 copy of every layer's weights on each rank, unsharded, as the plan counts it."""
     torchrun([REPO_ROOT / "tests/train/_dist_sft_plan.py", tmp_path], env={"KEYE_LOG_LEVEL": "WARNING"}, timeout=600,
              cwd=REPO_ROOT)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -152,6 +153,10 @@ def test_context_parallel_rank_memory(tmp_path):
         assert end == pytest.approx(measured["end_of_forward"], rel=0.12), ckpt
         assert plan.forward_bytes - states == pytest.approx(measured["forward_peak"], rel=0.12), ckpt
         assert plan.backward_bytes - states == pytest.approx(measured["backward_peak"], rel=0.12), ckpt
+    # FSDP2 shards the float32 weights, not autocast's bf16 copies: each rank's cache holds the whole model's
+    full = plan_sft_memory(small_config(**LAYERS), gpus=2, strategy="fsdp2", seq_len=L, loss_chunk_tokens=None)
+    for r in ranks:
+        assert r["fsdp2"]["cache"] == r["fsdp2"]["copies"] == full.item("autocast bf16 weight copies")
 
 
 @pytest.mark.parametrize("amp", [True, False])
