@@ -295,8 +295,7 @@ def plan_sft_memory(
                     tokens, gradient_checkpointing), "step", batch)
     layer_ws = acc.add("backward working set (recompute + grads)", act.backward_peak - act.saved, "backward",
                        "one layer's recomputed tensors and gradients")
-    cast = _cast_items(acc, counts, amp=amp, chunked=loss_chunk_tokens is not None, checkpointing=gradient_checkpointing,
-                       config=model_config)
+    cast = _cast_items(acc, counts, amp=amp, chunked=loss_chunk_tokens is not None, checkpointing=gradient_checkpointing)
     head_fwd, head_bwd = head_chunk_bytes(model_config, dtype=dtype, amp=amp, chunk=loss_chunk_tokens, targets=targets,
                                           head_trainable=any(n == "lm_head.weight" and t for n, _, t in counts.shapes),
                                           hidden_tokens=tokens)
@@ -340,6 +339,7 @@ def _state_items(acc: Items, counts: ParamCounts, *, strategy: str, b: int, amp:
     w = gpus
     layout = {"fsdp2": "dim0", "zero3": "flat"}.get(strategy, "full")
     note = {"dim0": f"1/{w} of each parameter (dim-0 chunks)", "flat": f"1/{w} flat partitions", "full": "full replica"}
+
     def held(lay: str, trainable_only: bool) -> int:
         if lay == "dim0":
             return counts.sharded(w, trainable_only=trainable_only)
@@ -374,7 +374,7 @@ def _state_items(acc: Items, counts: ParamCounts, *, strategy: str, b: int, amp:
                          pb * trainable + b * frozen_n, "resident", note[layout])
         states = acc.add("AdamW states (exp_avg, exp_avg_sq)", ADAMW_STATES * pb * trainable, "resident", note[layout])
         grads = acc.add("gradients", pb * trainable, "step", note[layout] + "; freed after the optimizer step")
-        working = 0
+        working, buckets = 0, 0
         if strategy == "fsdp2" and gpus > 1:
             unit = max(counts.decoder_layer, counts.vision_layer)
             working = acc.add("FSDP2 all-gathered params (root + 2 layers)", pb * (counts.root + 2 * unit), "step",
@@ -382,15 +382,14 @@ def _state_items(acc: Items, counts: ParamCounts, *, strategy: str, b: int, amp:
             working += acc.add("FSDP2 unsharded grads (root + 1 layer)", pb * (counts.root_trainable + unit), "step",
                                "before reduce-scatter")
         elif strategy == "ddp" and gpus > 1:
-            working = acc.add("DDP gradient buckets", pb * trainable, "step", "a flat copy of every gradient")
+            buckets = acc.add("DDP gradient buckets", pb * trainable, "resident", "a flat copy of every gradient")
         opt_tmp = pb * trainable
-        resident = params + states
+        resident = params + states + buckets
     resident += acc.add("CUDA context, NCCL, allocator slack", overhead, "resident", "assumed")
     return {"resident": resident, "grads": grads, "working": working, "opt_tmp": opt_tmp}
 
 
-def _cast_items(acc: Items, counts: ParamCounts, *, amp: bool, chunked: bool, checkpointing: bool,
-                config: KeyeVLConfig) -> dict[str, int]:
+def _cast_items(acc: Items, counts: ParamCounts, *, amp: bool, chunked: bool, checkpointing: bool) -> dict[str, int]:
     """Autocast's bf16 copies of the trainable Linear / Conv weights (float32 under autocast). Each is cast once
     per forward and kept in autocast's cache until the forward ends (the chunked loss casts ``lm_head`` itself,
     counted with the head); without checkpointing the Linear layers also save them for the backward, with it one
