@@ -248,7 +248,7 @@ def test_logprob_head_with_answer_length(dtype):
     from keye.train.logprobs import chunked_token_logprobs
 
     td = getattr(torch, dtype)
-    d, v = 128, 2048
+    d, v = 128, 1024
     text = TextConfig(vocab_size=v, hidden_size=d, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, mrope_section=(2, 3, 3))
     config = KeyeVLConfig(variant="1.5", text=text, vision=small_config().vision, torch_dtype="float32")
