@@ -316,12 +316,13 @@ def plan_sft_memory(
     optimizer = resident["resident"] + resident["grads"] + opt
     peak = max(forward, backward, optimizer)
     gpu = int(gpu_memory_gb * GiB)
-    largest = max(acc.items, key=lambda it: it.bytes).name
+    top = max(acc.items, key=lambda it: it.bytes)
+    largest = top.name
     if peak <= gpu:
-        reason = f"peak {peak / GiB:.1f} GiB of {gpu_memory_gb:g} GiB; {(gpu - peak) / GiB:.1f} GiB to spare"
+        margin = f"peak {peak / GiB:.1f} GiB of {gpu_memory_gb:g} GiB; {(gpu - peak) / GiB:.1f} GiB to spare"
     else:
-        reason = (f"peak {peak / GiB:.1f} GiB, {(peak - gpu) / GiB:.1f} GiB over {gpu_memory_gb:g} GiB; largest item: "
-                  f"{largest} ({max(it.bytes for it in acc.items) / GiB:.1f} GiB)")
+        margin = f"peak {peak / GiB:.1f} GiB, {(peak - gpu) / GiB:.1f} GiB over {gpu_memory_gb:g} GiB"
+    reason = f"{margin}; largest item: {largest} ({top.bytes / GiB:.1f} GiB)"
     settings = dict(model=model_name, gpus=gpus, strategy=strategy, dtype=dtype, amp=amp, seq_len=seq_len,
                     micro_batch=micro_batch, vision_tokens=vision_tokens, answer_tokens=answer,
                     context_parallel=cp, gradient_checkpointing=gradient_checkpointing,
