@@ -6,7 +6,7 @@ each command under ``python -X importtime`` lists any torch / transformers impor
 The last line: ``cli startup: keye --help X.XX s, keye chat --help Y.YY s (median of 5; target < 0.5 s);
 import transformers Z.ZZ s: N.Nx faster``.
 
-Usage: python benchmarks/cli_startup.py [--repeats 5]
+Usage: python benchmarks/cli_startup.py [--repeats 5] [--quick]   (``--quick``: one run of each command)
 """
 
 from __future__ import annotations
@@ -53,10 +53,14 @@ def heavy_imports(args: list[str]) -> list[str]:
     return sorted(found)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``); the last line is the
+    documented ``cli startup: ...`` line."""
+    from _quick import parse_args
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per command (median; default: 5)")
-    args = parser.parse_args()
+    args = parse_args(parser, argv, {"repeats": 1})
     keye = _keye()
     commands = {"keye --help": [*keye, "--help"], "keye chat --help": [*keye, "chat", "--help"]}
     subprocess.run(commands["keye --help"], check=True, stdout=subprocess.DEVNULL)  # warm the file cache

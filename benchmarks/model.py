@@ -13,7 +13,10 @@
 Each part prints its ratio as its last line; the script's last line is (f)'s overall ratio (median over
 its rows of Qwen3 time / Keye time: above 0.90 means Keye is within 10 % of Qwen3's speed).
 Timings of two contenders are interleaved run by run, so load changes on a shared machine hit both.
-Usage: python benchmarks/model.py [--repeats 5] [--parts abcdef]
+Last line (all parts): ``(f) decoder speed Keye / Qwen3ForCausalLM, median over the rows: X.XXx (worst row Y.YYx;
+within 10 %: yes|no)``
+Usage: python benchmarks/model.py [--repeats 5] [--parts abcdef] [--prefill 1024] [--new-tokens 32] [--quick]
+       (``--quick``: every part once, 256-token prefill, 8 new tokens: seconds)
 """
 
 from __future__ import annotations
@@ -89,17 +92,16 @@ def part_a(model, repeats):
 
 
 @torch.no_grad()
-def part_b(model, repeats):
-    ids = torch.randint(0, 4000, (1, 1024))
+def part_b(model, repeats, prefill: int = 1024):
+    ids = torch.randint(0, 4000, (1, prefill))
     t = median_time(lambda: model(input_ids=ids, logits_to_keep=1), repeats)
-    print(f"(b) prefill of 1024 tokens: {t * 1e3:.1f} ms")
-    print(f"(b) prefill throughput: {1024 / t:.0f} tokens/s")
+    print(f"(b) prefill of {prefill} tokens: {t * 1e3:.1f} ms")
+    print(f"(b) prefill throughput: {prefill / t:.0f} tokens/s")
 
 
 @torch.no_grad()
-def part_c(model, repeats):
+def part_c(model, repeats, n_new: int = 32):
     ids = torch.randint(0, 4000, (1, 256))
-    n_new = 32
 
     def cached():
         model.generate(ids, max_new_tokens=n_new, eos_token_id=[])
@@ -127,8 +129,8 @@ def _dense_block_attention(q, k, v, cu_seqlens, *, scale, causal, backend="sdpa"
     return out[0].transpose(0, 1).reshape(n, *q.shape[1:])
 
 
-def _peak_child(dense, queue):
-    torch.set_num_threads(2)
+def _peak_child(dense, queue, threads: int = 2):
+    torch.set_num_threads(threads)
     model = build()
     pix = pixels(GRIDS)
     if dense:
@@ -138,26 +140,26 @@ def _peak_child(dense, queue):
     queue.put(mem.extra_mib)
 
 
-def peak_mib(dense):
+def peak_mib(dense, threads: int = 2):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_peak_child, args=(dense, q))
+    p = ctx.Process(target=_peak_child, args=(dense, q, threads))
     p.start()
     p.join()
     return q.get()
 
 
-def part_d(repeats):
-    packed = statistics.median(peak_mib(False) for _ in range(max(1, repeats // 2)))
-    dense = statistics.median(peak_mib(True) for _ in range(max(1, repeats // 2)))
+def part_d(repeats, threads: int = 2):
+    packed = statistics.median(peak_mib(False, threads) for _ in range(max(1, repeats // 2)))
+    dense = statistics.median(peak_mib(True, threads) for _ in range(max(1, repeats // 2)))
     print(f"(d) peak extra memory of the tower on 8 images: packed varlen {packed:.0f} MiB, "
           f"dense block-diagonal mask {dense:.0f} MiB")
     print(f"(d) memory ratio dense mask / packed varlen: {dense / max(packed, 1e-3):.2f}x")
 
 
 @torch.no_grad()
-def part_e(model, repeats):
-    n_new, ratios = 32, []
+def part_e(model, repeats, n_new: int = 32):
+    ratios = []
     for bsz in (1, 4):
         ids = torch.randint(0, 4000, (bsz, 128))
         hf, own = paired_median(
@@ -174,19 +176,19 @@ def part_e(model, repeats):
 
 
 @torch.no_grad()
-def part_f(model, repeats):
+def part_f(model, repeats, prefill: int = 1024, n_new: int = 32):
     hf = qwen3_twin(model)
     rows = []
-    ids = torch.randint(0, 4000, (1, 1024))
+    ids = torch.randint(0, 4000, (1, prefill))
     ours, theirs = paired_median(lambda: model(input_ids=ids, logits_to_keep=1),
                                  lambda: hf(input_ids=ids, logits_to_keep=1), repeats)
-    rows.append(("prefill 1024 tokens, batch 1", ours, theirs))
-    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    rows.append((f"prefill {prefill} tokens, batch 1", ours, theirs))
+    kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
     for bsz in (1, 4):
         ids = torch.randint(0, 4000, (bsz, 128))
         ours, theirs = paired_median(lambda ids=ids: model.generate(ids, **kw),
                                      lambda ids=ids: hf.generate(ids, **kw), repeats)
-        rows.append((f"greedy generate 32 after 128 (cache), batch {bsz}", ours, theirs))
+        rows.append((f"greedy generate {n_new} after 128 (cache), batch {bsz}", ours, theirs))
     for name, ours, theirs in rows:
         print(f"(f) {name}: Keye {ours * 1e3:.1f} ms, Qwen3ForCausalLM {theirs * 1e3:.1f} ms "
               f"(speed ratio {theirs / ours:.2f})")
@@ -196,16 +198,23 @@ def part_f(model, repeats):
           f"within 10 %: {'yes' if ratio >= 0.9 else 'no'})")
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
+    """Run the parts named by ``--parts`` with the command line ``argv`` (``None``: ``sys.argv[1:]``); each part's
+    last line is its ratio, so the script's last line is the last part's."""
+    from _quick import parse_args, torch_threads
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--parts", default="abcdef", help="which parts to run (letters a-f)")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+    ap.add_argument("--prefill", type=int, default=1024, help="(b), (f) prefill tokens")
+    ap.add_argument("--new-tokens", type=int, default=32, help="(c), (e), (f) generated tokens")
+    args = parse_args(ap, argv, {"repeats": 1, "prefill": 256, "new_tokens": 8})
+    torch.set_num_threads(torch_threads(args))
     model = build()
-    parts = {"a": lambda: part_a(model, args.repeats), "b": lambda: part_b(model, args.repeats),
-             "c": lambda: part_c(model, args.repeats), "d": lambda: part_d(args.repeats),
-             "e": lambda: part_e(model, args.repeats), "f": lambda: part_f(model, args.repeats)}
+    parts = {"a": lambda: part_a(model, args.repeats), "b": lambda: part_b(model, args.repeats, args.prefill),
+             "c": lambda: part_c(model, args.repeats, args.new_tokens), "d": lambda: part_d(args.repeats, torch_threads(args)),
+             "e": lambda: part_e(model, args.repeats, args.new_tokens),
+             "f": lambda: part_f(model, args.repeats, args.prefill, args.new_tokens)}
     for letter in args.parts:
         parts[letter]()
 

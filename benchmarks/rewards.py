@@ -11,9 +11,10 @@ Measured in the same run:
   and the median latency of one uncached math-verify check in-process vs through the worker process.
 
 Throughput is reported as the median over chunks of 500 responses. The last line is the full spec's
-throughput relative to the format-only baseline.
+throughput relative to the format-only baseline. Last line:
+``full spec vs format-only baseline throughput (median rewards/s): X.XXx (N vs M)``
 
-Usage: .venv/bin/python benchmarks/rewards.py [--n 10000] [--full]
+Usage: .venv/bin/python benchmarks/rewards.py [--n 10000] [--full] [--quick]   (``--quick``: 400 responses)
 """
 
 from __future__ import annotations
@@ -163,11 +164,14 @@ def _median_latency_ms(pairs: list[tuple[str, str]], backend: str) -> tuple[floa
     return statistics.median(times), len(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``); the last line is the ratio."""
+    from _quick import parse_args
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=10_000, help="number of synthetic responses")
     parser.add_argument("--full", action="store_true", help="also run the uncached math comparison on all math items")
-    args = parser.parse_args()
+    args = parse_args(parser, argv, {"n": 400})
 
     samples = make_samples(args.n)
     math_samples = [s for s in samples if s["task"] == "math"]

@@ -31,11 +31,16 @@ Costs are measured on one CPU thread: with two threads on a shared machine the d
 twenty-fold between runs, with one it varied by about a quarter.
 
 A sweep follows unless ``--no-sweep``: sigma (the tail) x staleness, both cost models, barrier -> streaming.
-The last line gives the measured ratio and the simulated one with the streaming update and GPU-like decoding:
-``rl throughput async vs sync: measured X.XXx, simulated 64 GPUs Y.YYx``.
+Then one line with the simulated staleness-1 streaming figure under both cost models, each beside its ceiling,
+and the measured runs. The last line gives the measured ratio and the simulated one (staleness ``--staleness``,
+the streaming update, re-prefill charged, GPU-like decoding). Last line:
+``rl throughput async vs sync: measured X.XXx, simulated 64 GPUs Y.YYx``
+(with ``--no-measured``: ``rl throughput async vs sync: simulated 64 GPUs Y.YYx (...)``).
 
 Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
-       [--a-steps 8] [--a-repeats 3] [--no-measured]
+       [--a-steps 8] [--a-repeats 3] [--no-measured] [--quick]
+       (about 10 minutes on 2 cores; ``--quick``: 8 simulated devices, one short run per mode, no sweep, about
+       30 s, most of it starting Ray and its actors)
 """
 
 from __future__ import annotations
@@ -66,11 +71,12 @@ def _best_of(fn, repeats: int = 5) -> float:
     return best
 
 
-def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, train_len: int = 128
-                  ) -> dict[str, float]:
-    """keye-tiny's costs on this machine (seconds, each the best of 5 timings): ``decode_step_s`` +
-    ``decode_token_s`` * n for one decode step of n answers (fitted through batches 1 and ``wide``), ``prefill_token_s`` per prompt token, ``train_token_s`` per trained token
-    (forward + backward), ``train_step_s`` per AdamW step, ``sync_s`` per full weight copy."""
+def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, train_len: int = 128,
+                  repeats: int = 5) -> dict[str, float]:
+    """keye-tiny's costs on this machine (seconds, each the best of ``repeats`` timings): ``decode_step_s`` +
+    ``decode_token_s`` * n for one decode step of n answers (fitted through batches 1 and ``wide``),
+    ``prefill_token_s`` per prompt token, ``train_token_s`` per trained token (forward + backward),
+    ``train_step_s`` per AdamW step, ``sync_s`` per full weight copy."""
     model, processor = keye.load_tiny()
     model.eval()
 
@@ -87,14 +93,16 @@ def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, t
     for n in (1, wide):
         b = batch(n, 4)
         gen(b, 2)  # warm-up
-        per_step[n] = (_best_of(lambda b=b: gen(b, 1 + decode_steps)) - _best_of(lambda b=b: gen(b, 1))) / decode_steps
+        per_step[n] = (_best_of(lambda b=b: gen(b, 1 + decode_steps), repeats)
+                      - _best_of(lambda b=b: gen(b, 1), repeats)) / decode_steps
     # timing noise can make the difference negative: a cost below zero is not a cost
     decode_token_s = max(0.0, (per_step[wide] - per_step[1]) / (wide - 1))
     decode_step_s = max(1e-6, per_step[1] - decode_token_s)
 
     short, long = batch(1, 4), batch(1, 64)
     n_short, n_long = short["input_ids"].shape[1], long["input_ids"].shape[1]
-    prefill_token_s = max(0.0, (_best_of(lambda: gen(long, 1)) - _best_of(lambda: gen(short, 1))) / (n_long - n_short))
+    prefill_token_s = max(0.0, (_best_of(lambda: gen(long, 1), repeats) - _best_of(lambda: gen(short, 1), repeats))
+                          / (n_long - n_short))
 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -115,16 +123,16 @@ def measure_costs(decode_steps: int = 24, wide: int = 16, train_rows: int = 4, t
     for _ in range(2):  # warm-up: the first passes allocate and are several times slower
         fwd_bwd()
         opt_step()
-    train_token_s = _best_of(fwd_bwd) / ids.numel()
+    train_token_s = _best_of(fwd_bwd, repeats) / ids.numel()
     steps = []
-    for _ in range(5):  # each timed AdamW step needs fresh gradients
+    for _ in range(repeats):  # each timed AdamW step needs fresh gradients
         fwd_bwd()
         steps.append(_best_of(opt_step, 1))
     train_step_s = min(steps)
     model.eval()
 
     twin = copy.deepcopy(model)
-    sync_s = _best_of(lambda: twin.load_state_dict(model.state_dict()))
+    sync_s = _best_of(lambda: twin.load_state_dict(model.state_dict()), repeats)
     return {"decode_step_s": decode_step_s, "decode_token_s": decode_token_s, "prefill_token_s": prefill_token_s,
             "train_token_s": train_token_s, "train_step_s": train_step_s, "sync_s": sync_s}
 
@@ -200,7 +208,18 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     return out
 
 
-def main() -> None:
+# --quick: the same three parts (costs, simulation, measured runs) at sizes that take seconds
+QUICK = {"gpus": 8, "prompts": 16, "group": 4, "steps": 4, "warmup": 1, "mu": 4.0, "max_tokens": 256,
+         "prompt_tokens": 64, "no_sweep": True, "cost_repeats": 1, "cost_decode_steps": 4, "a_steps": 2,
+         "a_warmup": 1, "a_repeats": 1, "a_prompts": 2, "a_group": 2, "a_mu": 2.0, "a_sigma": 0.5,
+         "a_max_tokens": 8, "a_limit": 4}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``); the last printed line is
+    ``rl throughput async vs sync: measured X.XXx, simulated N GPUs Y.YYx``."""
+    from _quick import parse_args
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=128, help="prompts (groups) per update")
@@ -215,6 +234,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sweep", action="store_true", help="skip the sigma / staleness sweep")
     parser.add_argument("--no-measured", action="store_true", help="skip part (a), the measured keye-tiny runs")
+    parser.add_argument("--cost-repeats", type=int, default=5, help="(b) timings per measured cost (the fastest)")
+    parser.add_argument("--cost-decode-steps", type=int, default=24, help="(b) decode steps timed per batch size")
     parser.add_argument("--a-steps", type=int, default=8, help="(a) updates per run")
     parser.add_argument("--a-warmup", type=int, default=3, help="(a) first updates not timed")
     parser.add_argument("--a-repeats", type=int, default=3, help="(a) runs per mode (median)")
@@ -223,12 +244,14 @@ def main() -> None:
     parser.add_argument("--a-mu", type=float, default=3.5, help="(a) lognormal mu of the forced answer lengths")
     parser.add_argument("--a-sigma", type=float, default=1.0, help="(a) lognormal sigma of the answer lengths")
     parser.add_argument("--a-max-tokens", type=int, default=160, help="(a) answer length cap")
-    args = parser.parse_args()
+    parser.add_argument("--a-limit", type=int, default=64, help="(a) prompts read from the manifest")
+    args = parse_args(parser, argv, QUICK)
     torch.set_num_threads(1)
 
     t0 = time.perf_counter()
-    costs = measure_costs()
-    print(f"keye-tiny costs measured on this machine in {time.perf_counter() - t0:.0f} s (one thread, best of 5):")
+    costs = measure_costs(decode_steps=args.cost_decode_steps, repeats=args.cost_repeats)
+    print(f"keye-tiny costs measured on this machine in {time.perf_counter() - t0:.0f} s (one thread, best of "
+          f"{args.cost_repeats}):")
     print(f"  decode step: {costs['decode_step_s'] * 1e3:.2f} ms + {costs['decode_token_s'] * 1e3:.3f} ms per answer "
           f"in the batch; prefill {costs['prefill_token_s'] * 1e6:.1f} us/token")
     print(f"  training: {costs['train_token_s'] * 1e6:.1f} us/token (forward + backward), AdamW step "
@@ -246,16 +269,20 @@ def main() -> None:
           f"(median {int(sorted(lengths.ravel())[lengths.size // 2])}, mean {lengths.mean():.0f}, "
           f"{(lengths == args.max_tokens).mean() * 100:.1f}% at the cap); {per_gpu} answers decoded at once "
           f"per device; {args.steps} updates, first {args.warmup} not timed")
+    # GPU-like decoding: one step costs the same for any number of answers (memory-bound decoding), priced at
+    # the measured cost of a full per-device batch
     flat = replace(cfg, decode_step_s=cfg.decode_step_s + cfg.decode_token_s * per_gpu, decode_token_s=0.0)
-    results = {}
+    results, ceilings = {}, {}
     for name, c in (("measured CPU costs", cfg), ("GPU-like decoding (a step costs the same for any batch)", flat)):
         print(f"  {name}:")
         for update in ("barrier", "streaming"):
             sync, best = compare(c, args.staleness, update=update)
-            results[(c is flat, update)] = best.samples_per_s / sync.samples_per_s
+            key = (c is flat, update)
+            results[key] = best.samples_per_s / sync.samples_per_s
+            ceilings[key] = ceiling(c, args.staleness, sync, update)
             where = "colocated" if best.placement == "colocated" else f"tagged, {best.train_gpus} train-tagged devices"
-            print(f"    {update:9s} update: async / sync {best.samples_per_s / sync.samples_per_s:.2f}x "
-                  f"(ceiling {ceiling(c, args.staleness, sync, update):.2f}x; sync {sync.samples_per_s:.2f} samples/s, "
+            print(f"    {update:9s} update: async / sync {results[key]:.2f}x "
+                  f"(ceiling {ceilings[key]:.2f}x; sync {sync.samples_per_s:.2f} samples/s, "
                   f"async {best.samples_per_s:.2f}; staleness {args.staleness}, {where}; largest staleness used "
                   f"{best.max_staleness_seen}; {best.partial} answers continued across a weight update, "
                   f"{best.preempted} preemptions, {best.reprefill_tokens} tokens prefilled again after weight loads)")
@@ -273,6 +300,10 @@ def main() -> None:
                         cells.append(f"{a.samples_per_s / s.samples_per_s:.2f}x ({ceiling(c, k, s, update):.2f}x)")
                     row.append(f"staleness {k}: {' -> '.join(cells)}")
                 print(f"  {name}, sigma {sigma}: " + ", ".join(row))
+    print(f"simulated {args.gpus} GPUs, staleness {args.staleness}, streaming update, re-prefill charged: "
+          f"{results[(False, 'streaming')]:.2f}x with the CPU-measured decode costs (ceiling "
+          f"{ceilings[(False, 'streaming')]:.2f}x), {ratio:.2f}x with GPU-like decoding (ceiling "
+          f"{ceilings[(True, 'streaming')]:.2f}x; not measured: a step priced at the measured full-batch cost)")
     if args.no_measured:
         print(f"rl throughput async vs sync: simulated {args.gpus} GPUs {ratio:.2f}x (streaming update, GPU-like "
               "decoding, re-prefill charged)")
@@ -284,7 +315,8 @@ def main() -> None:
           "with the streaming update")
     runs = measure_async_vs_sync(steps=args.a_steps, warmup=args.a_warmup, repeats=args.a_repeats,
                                  prompts=args.a_prompts, group=args.a_group, mu=args.a_mu, sigma=args.a_sigma,
-                                 max_tokens=args.a_max_tokens, staleness=args.staleness, seed=args.seed)
+                                 max_tokens=args.a_max_tokens, staleness=args.staleness, limit=args.a_limit,
+                                 seed=args.seed)
     med = {m: statistics.median(v) for m, v in runs.items()}
     print(f"  median of {args.a_repeats}: sync {med['sync']:.2f} samples/s, async {med['async']:.2f} samples/s")
     print(f"rl throughput async vs sync: measured {med['async'] / med['sync']:.2f}x, simulated {args.gpus} GPUs "

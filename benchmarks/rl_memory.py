@@ -31,9 +31,12 @@ train the same model: the sum of the whole batch's old log-probs at each step (t
 updated policy) and the gradient norm of each update agree to rtol 1e-4 (the loss cannot show it: at ratio 1
 it depends on the advantages only). ``keye.rl.learner.plan.plan_memory``'s learner-phase prediction for the same model
 and micro-batch (padded, float32, no overhead line) is printed next to the measurement. The last line is the
-ratio of the medians, replicated over sharded.
+ratio of the medians, replicated over sharded. Last line:
+``rl step peak memory per rank replicated vs sharded: X.XXx less``
 
-Usage: python benchmarks/rl_memory.py [--repeats 3] [--hidden 512] [--layers 12] [--micro 4] [--tree]
+Usage: python benchmarks/rl_memory.py [--repeats 3] [--hidden 512] [--layers 12] [--micro 4] [--tree] [--quick]
+       (``--quick``: one repeat of a 2-layer 128-wide decoder, 2 x 2 answers of 4 tokens; still both 2-rank
+       torchrun jobs, so about 20 s)
 """
 
 from __future__ import annotations
@@ -273,7 +276,14 @@ def run_layout(strategy: str, out_dir: Path, ckpt: Path, samples_path: Path,
     return aggregate([json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))])
 
 
-def main() -> None:
+QUICK = {"repeats": 1, "hidden": 128, "layers": 2, "prompts": 2, "group": 2, "new_tokens": 4, "micro": 2}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark (or, with ``--worker``, one rank of a layout) with the command line ``argv`` (``None``:
+    ``sys.argv[1:]``); the last line is the memory ratio."""
+    from _quick import parse_args
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=512)
@@ -290,7 +300,7 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--samples", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--strategy", choices=LAYOUTS, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse_args(ap, argv, QUICK)
 
     if args.worker:
         from keye.train import dist as kdist

@@ -7,9 +7,11 @@ figure is the median over the timed steps (after one warm-up step).
 
 The last line compares the gradient computation with micro-batching (``--micro`` sequences per forward,
 accumulated with the global token count; identical gradients) against one forward/backward over the whole
-mini-batch, measured in the same run on the same samples (optimizer step excluded from both).
+mini-batch, measured in the same run on the same samples (optimizer step excluded from both). Last line:
+``gradient time, micro-batches of N vs one batch: X.XXx``
 
-Usage: python benchmarks/rl_step.py [--steps 2] [--full]
+Usage: python benchmarks/rl_step.py [--steps 2] [--full] [--quick]
+       (``--quick``: one timed step of 2 prompts x (2 + 1) answers)
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ def make_prompts(n: int) -> list[RLPrompt]:
     return prompts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``); the last line is the ratio."""
+    from _quick import parse_args, torch_threads
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
     parser.add_argument("--prompts", type=int, default=3)
@@ -81,10 +86,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch in the update")
     parser.add_argument("--full", action="store_true", help="a larger model and more steps")
-    args = parser.parse_args()
+    # the replayed answers are up to 24 tokens long: --new-tokens stays, since they must fit it
+    args = parse_args(parser, argv, {"steps": 1, "prompts": 2, "group": 2, "replay": 1, "micro": 2})
     if args.full:
         args.steps = max(args.steps, 5)
-    torch.set_num_threads(2)
+    torch.set_num_threads(torch_threads(args))
 
     processor = KeyeProcessor.from_pretrained(make_tiny_processor_dir(tempfile.mkdtemp()))
     model = build_model(args.full)

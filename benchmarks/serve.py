@@ -5,8 +5,9 @@ arrive within the collection window decode together as one left-padded batch) an
 ``max_batch_size=1`` (the sequential baseline). Each run sends the same requests from 8 client threads with
 the real ``openai`` client: a short video clip and a question, greedy, ``max_tokens`` fixed, and counts
 completed requests per second. Runs alternate, the median of ``--repeats`` is reported; the last line is
-the batched / sequential ratio.
-Usage: python benchmarks/serve.py [--requests 32] [--repeats 3] [--max-tokens 16]
+the batched / sequential ratio. Last line: ``serve throughput batched vs sequential: X.XXx``
+Usage: python benchmarks/serve.py [--requests 32] [--repeats 3] [--max-tokens 16] [--quick]
+       (``--quick``: one repeat of 8 requests of up to 4 tokens)
 """
 
 from __future__ import annotations
@@ -51,14 +52,17 @@ def run(model, proc, clip: Path, batch: int, requests: int, max_tokens: int, cli
         return requests / dt, dict(bg.server.engine.stats)
 
 
-def main() -> None:
-    """Run the benchmark and print medians; the last line is the batched-vs-sequential ratio."""
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``) and print medians; the last
+    line is the batched-vs-sequential ratio."""
+    from _quick import parse_args, torch_threads
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+    args = parse_args(ap, argv, {"requests": 8, "repeats": 1, "max_tokens": 4})
+    torch.set_num_threads(torch_threads(args))
     model, proc = keye.load_tiny()
     with tempfile.TemporaryDirectory() as tmp:
         clip = make_test_video(Path(tmp) / "clip.mp4", 40, fps=10, size=(96, 128)).path

@@ -12,9 +12,10 @@ a fresh process on the same seeded model and row:
 
 Memory is the peak RSS during the step minus the RSS at its start (sampled by a thread; the optimizer's
 states, created by its first step, count on both sides). The step's loss and gradient norm of both sides are
-compared (relative 1e-5 and 1e-4); the last line is the memory ratio.
-Usage: python benchmarks/sft_memory.py [--tokens 8192] [--hidden 128] [--vocab 151936] [--chunk 512]
-       (quick mode: ``--tokens 1024``, seconds, what tests/test_benchmarks_sft_memory.py runs)
+compared (relative 1e-5 and 1e-4); the last line is the memory ratio. Last line:
+``sft step peak memory at N tokens full vs chunked: X.XXx less (values equal: yes)``
+Usage: python benchmarks/sft_memory.py [--tokens 8192] [--hidden 128] [--vocab 151936] [--chunk 512] [--quick]
+       (``--quick``: 1,024 tokens and a 32,000-token vocabulary, both sides still in fresh processes: seconds)
 """
 
 from __future__ import annotations
@@ -80,16 +81,17 @@ def one_step(hidden: int, vocab: int, tokens: int, chunk: int | None) -> dict:
     return {"mib": mem.extra_mib, "loss": res.loss, "grad_norm": res.grad_norm, "seconds": time.perf_counter() - t0}
 
 
-def _child(args, queue) -> None:
-    torch.set_num_threads(2)
+def _child(args, queue, threads: int = 2) -> None:
+    torch.set_num_threads(threads)
     queue.put(one_step(*args))
 
 
-def run_side(hidden: int, vocab: int, tokens: int, chunk: int | None) -> dict:
-    """:func:`one_step` in a fresh (spawned) process, so that neither side sees the other's allocations."""
+def run_side(hidden: int, vocab: int, tokens: int, chunk: int | None, threads: int = 2) -> dict:
+    """:func:`one_step` in a fresh (spawned) process with ``threads`` torch threads, so that neither side sees the
+    other's allocations."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=((hidden, vocab, tokens, chunk), q))
+    p = ctx.Process(target=_child, args=((hidden, vocab, tokens, chunk), q, threads))
     p.start()
     p.join()
     if p.exitcode != 0:
@@ -105,6 +107,9 @@ def compare(full: dict, chunked: dict) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``); the last line is the ratio."""
+    from _quick import parse_args, torch_threads
+
     from keye.train.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,10 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--chunk", type=int, default=DEFAULT_LOSS_CHUNK_TOKENS)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv, {"tokens": 1024, "vocab": 32000})
     tokens = args.tokens
-    sides = {"full": run_side(args.hidden, args.vocab, tokens, None),
-             "chunked": run_side(args.hidden, args.vocab, tokens, args.chunk)}
+    sides = {"full": run_side(args.hidden, args.vocab, tokens, None, torch_threads(args)),
+             "chunked": run_side(args.hidden, args.vocab, tokens, args.chunk, torch_threads(args))}
     for name, r in sides.items():
         print(f"{name}: peak extra memory {r['mib']:.0f} MiB, loss {r['loss']:.6f}, grad norm {r['grad_norm']:.6f}, "
               f"{r['seconds']:.1f} s", flush=True)

@@ -11,9 +11,11 @@ benchmark-size Keye-VL of ``benchmarks/tree.py``. One "step" is forward + summed
   vision tower once.
 
 Both give the same loss and gradients (checked here). Reports medians of ``--repeats`` interleaved runs
-after a warm-up; the last line is the speedup.
+after a warm-up; the last line is the speedup. Last line:
+``speedup tree vs unshared (SFT forward+backward, one micro-batch): X.XXx``
 
-Usage: ``.venv/bin/python benchmarks/sft_tree.py [--repeats 3] [--rows 2] [--answers 4]``
+Usage: ``.venv/bin/python benchmarks/sft_tree.py [--repeats 3] [--rows 2] [--answers 4] [--quick]``
+(``--quick``: one run of 1 row, a 256-token prompt and 2 answers of 16 tokens)
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def timed_step(model, loss_fn) -> tuple[float, float, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print medians; the last line is the tree-vs-unshared speedup."""
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``) and print medians; the last
+    line is the tree-vs-unshared speedup."""
+    from _quick import parse_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median reported)")
     parser.add_argument("--variant", choices=("preview", "1.5"), default="1.5")
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--answers", type=int, default=4, help="answers per row")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--answer-len", type=int, default=96)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, {"repeats": 1, "rows": 1, "answers": 2, "prompt_len": 256, "answer_len": 16})
 
     model = make_model(args.variant)
     mb = make_micro_batch(model, args.rows, args.answers, args.prompt_len, args.answer_len)

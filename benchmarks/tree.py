@@ -12,8 +12,10 @@ token-mean loss with mixed-sign advantages, and the backward pass, on a small ra
 Both compute the same loss and the same gradients (checked here to 1e-4 relative on the lm head and
 the vision patch embedding).
 Reports the median of ``--repeats`` timed runs after one warm-up update; the last line is the speedup.
+Last line: ``speedup tree vs unshared (forward+backward, one group): X.XXx``
 
-Usage: ``.venv/bin/python benchmarks/tree.py [--repeats 3] [--variant 1.5] [--full]``
+Usage: ``.venv/bin/python benchmarks/tree.py [--repeats 3] [--variant 1.5] [--full] [--quick]``
+(``--quick``: one run of a 256-token prompt and G = 2 responses of 16 tokens)
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ def timed_update(model, logprob_fn, old, adv) -> tuple[float, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print medians; the last line is the tree-vs-unshared speedup."""
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``) and print medians; the last
+    line is the tree-vs-unshared speedup."""
+    from _quick import parse_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median reported)")
     parser.add_argument("--variant", choices=("preview", "1.5"), default="1.5")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--full", action="store_true", help="5 repeats and also the reference (dense mask) kernel"
     )
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, {"repeats": 1, "group": 2, "prompt_len": 256, "response_len": 16})
     repeats = max(args.repeats, 5) if args.full else args.repeats
 
     model = make_model(args.variant)

@@ -9,8 +9,10 @@ videos) with PyAV, then:
   backends      frames/s of the seek decode for every backend usable here
   processor     KeyeProcessor time per video message (preview and 1.5, 2 fps sampling)
 
-Reports medians over repeats; the last line is the seek-vs-full speedup.
-Usage: python benchmarks/video.py [--repeats 5] [--full]
+Reports medians over repeats; the last line is the seek-vs-full speedup. Last line:
+``speedup seek vs full decode: X.Xx``
+Usage: python benchmarks/video.py [--repeats 5] [--seconds 60] [--full] [--quick]
+       (``--quick``: an 8 s clip, one timing each)
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    """Run the benchmark and print one line per measurement; the last line is the speedup."""
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark with the command line ``argv`` (``None``: ``sys.argv[1:]``) and print one line per
+    measurement; the last line is the speedup."""
     import av
+    from _quick import parse_args
 
     from keye.processing.processor import KeyeProcessor
     from keye.processing.video import (
@@ -50,12 +54,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--full", action="store_true", help="720p clip instead of 240x432")
-    args = ap.parse_args()
+    ap.add_argument("--seconds", type=int, default=60, help="clip length")
+    args = parse_args(ap, argv, {"repeats": 1, "seconds": 8})
     size = (720, 1280) if args.full else (240, 432)
+    n_frames = 30 * args.seconds
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        clip = make_test_video(Path(tmp) / "clip.mp4", 1800, fps=30, size=size, gop=30)
-        print(f"wrote 60 s clip {size[1]}x{size[0]} @ 30 fps in {time.perf_counter() - t0:.1f} s")
+        clip = make_test_video(Path(tmp) / "clip.mp4", n_frames, fps=30, size=size, gop=30)
+        print(f"wrote {args.seconds} s clip {size[1]}x{size[0]} @ 30 fps in {time.perf_counter() - t0:.1f} s")
         path = str(clip.path)
         probe = probe_video(path)
         plan = sample_frames(probe.timestamps, probe.fps, VideoOptions(nframes=16), "1.5")
@@ -78,7 +84,7 @@ def main() -> None:
         assert len(full_decode()) == 16 and seek_decode().shape[0] == 16
         t_full = _median_time(full_decode, args.repeats)
         t_seek = _median_time(seek_decode, args.repeats)
-        print(f"full decode (1800 frames, keep 16): median {t_full * 1000:.1f} ms")
+        print(f"full decode ({n_frames} frames, keep 16): median {t_full * 1000:.1f} ms")
         print(f"seek decode (probe + 16 frames, pyav): median {t_seek * 1000:.1f} ms")
         for backend in available_backends():
             t = _median_time(lambda b=backend: seek_decode(b), args.repeats)
@@ -99,7 +105,8 @@ def main() -> None:
             t = _median_time(lambda p=proc, m=msgs: p(m), max(1, args.repeats // 2))
             tokens = batch.video_meta[0].tokens
             print(
-                f"processor {variant:7s}: median {t * 1000:.0f} ms per 60 s video (120 frames, {tokens} vision tokens)"
+                f"processor {variant:7s}: median {t * 1000:.0f} ms per {args.seconds} s video "
+                f"({len(batch.video_meta[0].indices)} frames, {tokens} vision tokens)"
             )
     print(f"speedup seek vs full decode: {t_full / t_seek:.1f}x")
 
