@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clips", type=int, default=3, help="real clips reused by the rows")
     ap.add_argument("--workers", type=int, default=None, help="index-building processes (default: all CPUs)")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed afterwards)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --dir: keep the set and index a previous run left there (the index is then only "
+                         "checked for new shards)")
     args = parse_args(ap, argv, {"rows": 2000})
     from keye.data.index import build_index
 
@@ -176,15 +179,20 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(args.dir) if args.dir else Path(tmpdir)
         tmp.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        manifest, proc = make_set(tmp, args.rows, args.clips)
-        print(f"made {args.rows:,} rows over {args.clips} clips + 1 picture in {time.perf_counter() - t:.1f} s")
+        manifest, proc = tmp / "train.jsonl", tmp / "processor"
+        if not (args.reuse and manifest.is_file() and proc.is_dir()):
+            manifest, proc = make_set(tmp, args.rows, args.clips)
+            print(f"made {args.rows:,} rows over {args.clips} clips + 1 picture in {time.perf_counter() - t:.1f} s")
         cache = tmp / "probe.sqlite"
         t = time.perf_counter()
         rep = build_index([manifest], tmp / "index", processor=proc, workers=args.workers, cache=cache,
                           progress=sys.stderr.isatty())
         dt = time.perf_counter() - t
         assert rep.samples == args.rows and rep.bad == 0, rep.format()
-        print(f"keye data index: {rep.samples:,} rows in {dt:.1f} s ({rep.samples / dt:,.0f} rows/s)")
+        if rep.indexed:
+            print(f"keye data index: {rep.samples:,} rows in {dt:.1f} s ({rep.samples / dt:,.0f} rows/s)")
+        else:
+            print(f"keye data index: {rep.samples:,} rows already indexed ({rep.skipped} unchanged shard skipped)")
         jsonl_rows = min(args.jsonl_rows or args.rows, args.rows)
         jsonl = manifest
         if jsonl_rows < args.rows:

@@ -718,7 +718,7 @@ class IndexTable:
     def column(self, key: str) -> Sequence[Any]:
         """A stored column (``group``, ``id``, ``duration``, ...) for every sample, or ``row[key]`` read from
         every row for other keys (a full pass over the set)."""
-        if key in self._table(0).column_names if self.shards else False:
+        if self.shards and key in self._table(0).column_names:
             return [v for k in range(len(self.shards)) for v in self._table(k).column(key).to_pylist()]
         return [self.sample(i).row.get(key) for i in range(len(self))]
 
