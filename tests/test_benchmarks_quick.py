@@ -53,7 +53,8 @@ LAST_LINES = {
 
 
 def template_regex(template: str) -> re.Pattern:
-    """The regex of a ``Last line:`` template (see the module docstring); whitespace runs match one space."""
+    """The regex of a ``Last line:`` template (see the module docstring); a run of whitespace in the template
+    matches any run of whitespace."""
     parts = []
     for word in template.split():
         # peel punctuation off both ends so that "(X.XXx;" has the placeholder "X.XXx" at its core
@@ -62,7 +63,8 @@ def template_regex(template: str) -> re.Pattern:
         if "|" in core and all(re.fullmatch(r"[\w-]+", w) for w in core.split("|")):
             body = "(?:" + "|".join(re.escape(w) for w in core.split("|")) + ")"
         elif PLACEHOLDER.fullmatch(core) or LITERAL_NUMBER.fullmatch(core):
-            body = f"(?:{NUMBER}|nan|inf)" + re.escape(core[-1] if core[-1] in "x%" else "")
+            # a number only: a ratio printed as nan or inf fails the format
+            body = f"(?:{NUMBER})" + re.escape(core[-1] if core[-1] in "x%" else "")
         else:
             body = re.escape(core)
         parts.append(re.escape(lead) + body + re.escape(tail))
@@ -196,6 +198,7 @@ def test_every_benchmark_documents_its_last_line():
      "rl throughput async vs sync: simulated 64 GPUs 2.00x", False),
     ("a vs b: X.XXx less (values equal: yes)", "a vs b: 2.40x less (values equal: no)", False),
     ("within 10 %: yes|no)", "within 10 %: no)", True),
+    ("speedup: X.XXx", "speedup: nanx", False),
     ("full spec vs format-only (median rewards/s): X.XXx (N vs M)",
      "full spec vs format-only (median rewards/s): 0.05x (3,712 vs 86,012)", True),
 ])
