@@ -126,7 +126,7 @@ def test_corrupt_shards_are_named_and_skipped(small_synth: Path, tiny_processor,
         (src / name).write_text(text + "\n{not json\n")
     (src / "c.tar").write_bytes(b"this is not a tar archive" * 40)
     (src / "d.parquet").write_bytes(b"PAR1 garbage")
-    rep = _index([src], tmp_path / "index", tiny_processor, cache)
+    rep = _index([src], tmp_path / "index", tiny_processor, cache, workers=2)  # a tar failing in a worker process
     assert sorted(Path(u).name for u, _ in rep.bad_shards) == ["c.tar", "d.parquet"]
     assert "bad shard (skipped):" in rep.format() and "c.tar" in rep.format()
     assert (rep.samples, rep.bad) == (12, 2)
@@ -236,3 +236,16 @@ def test_torchrun_two_ranks_on_an_index_equal_the_one_process_run(small_synth: P
         assert r["read"] == sorted(i for ids, _ in r["batches"] for i in ids)  # it read only its own samples
     assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) >= 2
     assert sorted(ranks[0]["read"] + ranks[1]["read"]) == list(range(12))  # together: every sample once
+
+
+def test_cli_index_then_check(small_synth: Path, cache, tmp_path: Path, capsys):
+    from keye.cli import main
+
+    out = tmp_path / "index"
+    assert main(["data", "index", str(small_synth), "--out", str(out), "--workers", "0", "--cache", str(cache.path),
+                 "--no-progress"]) == 0
+    assert f"index {out}: 12 samples in 1 shard(s), 0 bad rows" in capsys.readouterr().out
+    assert main(["data", "check", str(out), "--cache", str(cache.path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bad_rows"] == [] and report["summary"]["valid"] == 12
+    assert report["summary"] == check_manifest(small_synth, cache=cache).summary
