@@ -38,7 +38,7 @@ the streaming update, re-prefill charged, GPU-like decoding). Last line:
 (with ``--no-measured``: ``rl throughput async vs sync: simulated 64 GPUs Y.YYx (...)``).
 
 Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
-       [--a-steps 8] [--a-repeats 3] [--no-measured] [--quick]
+       [--a-steps 8] [--a-repeats 3] [--a-update streaming] [--no-measured] [--quick]
        (about 10 minutes on 2 cores; ``--quick``: 8 simulated devices, one short run per mode, no sweep, about
        30 s, most of it starting Ray and its actors)
 """
@@ -159,7 +159,7 @@ def synth_manifest(manifest: str, into: Path, rows: int, log=print) -> str:
 def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, prompts: int = 4, group: int = 4,
                           mu: float = 3.5, sigma: float = 1.0, max_tokens: int = 160, staleness: int = 1,
                           manifest: str = DEFAULT_MANIFEST, limit: int = 64, seed: int = 0,
-                          log=print) -> dict[str, list[float]]:
+                          async_update: str = "streaming", log=print) -> dict[str, list[float]]:
     """Samples/s of the asynchronous RL loop on keye-tiny, synchronous (``max_staleness=0``) and asynchronous
     (``staleness``), ``repeats`` runs each, alternating; returns ``{"sync": [...], "async": [...]}``.
 
@@ -168,7 +168,8 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
     run), the first ``warmup`` updates not timed. Uses one local Ray cluster for all runs (2 CPUs: one for the
     learner actor, one for the rollout actor, each with one torch thread; the driver only schedules and
     scores). The prompts are the first ``limit`` rows of ``manifest``, generated when it is the default one
-    and missing (:func:`synth_manifest`)."""
+    and missing (:func:`synth_manifest`). ``async_update`` is the asynchronous runs' ``rl.update`` (``streaming``, or
+    ``barrier`` to separate the streaming update's share of the gain); the synchronous runs use ``barrier``."""
     import ray
 
     from keye.recipes.rlep import train
@@ -194,7 +195,7 @@ def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, 
                         f"checkpoint.out_dir={Path(tmp) / f'{mode}{rep}'}", "checkpoint.export=false",
                         "log.progress=false", "rl.engine=ray", "rl.mode=async", f"rl.max_staleness={k}",
                         "rl.ray.torch_threads=1", "rl.ray.reward_workers=0",
-                        f"rl.update={'barrier' if k == 0 else 'streaming'}",
+                        f"rl.update={'barrier' if k == 0 else async_update}",
                     ])
                     summary = train(cfg, answer_length=lengths)
                     ends = summary["step_end_times"]
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--a-sigma", type=float, default=1.0, help="(a) lognormal sigma of the answer lengths")
     parser.add_argument("--a-max-tokens", type=int, default=160, help="(a) answer length cap")
     parser.add_argument("--a-limit", type=int, default=64, help="(a) prompts read from the manifest")
+    parser.add_argument("--a-update", choices=("streaming", "barrier"), default="streaming",
+                        help="(a) the asynchronous runs' rl.update (the synchronous runs use the barrier update)")
     args = parse_args(parser, argv, QUICK)
     torch.set_num_threads(1)
 
@@ -312,11 +315,11 @@ def main(argv: list[str] | None = None) -> None:
           f"forced lengths lognormal(mu={args.a_mu}, sigma={args.a_sigma}) capped at {args.a_max_tokens}; rollout "
           f"worker and learner (one rank) in Ray actors (one torch thread each); {args.a_steps} updates per run, "
           f"first {args.a_warmup} not timed; sync = staleness 0 (barrier update), async = staleness {args.staleness} "
-          "with the streaming update")
+          f"with the {args.a_update} update")
     runs = measure_async_vs_sync(steps=args.a_steps, warmup=args.a_warmup, repeats=args.a_repeats,
                                  prompts=args.a_prompts, group=args.a_group, mu=args.a_mu, sigma=args.a_sigma,
                                  max_tokens=args.a_max_tokens, staleness=args.staleness, limit=args.a_limit,
-                                 seed=args.seed)
+                                 seed=args.seed, async_update=args.a_update)
     med = {m: statistics.median(v) for m, v in runs.items()}
     print(f"  median of {args.a_repeats}: sync {med['sync']:.2f} samples/s, async {med['async']:.2f} samples/s")
     print(f"rl throughput async vs sync: measured {med['async'] / med['sync']:.2f}x, simulated {args.gpus} GPUs "
