@@ -528,7 +528,10 @@ def _decode_pyav(probe: VideoProbe, indices: list[int]) -> tuple[np.ndarray, np.
                 raise KeyeInputError(
                     f"frame {i} (pts {target}) could not be decoded; the file may be truncated"
                 )
-            frames[i] = frame.to_ndarray(format="rgb24")
+            # threads=1: swscale's automatic slice threads (FFmpeg 8 under PyAV 18) hung for good in
+            # avpriv_slicethread_free inside a forked data-loader worker; loaders parallelise over worker
+            # processes anyway, so one thread per conversion costs them nothing
+            frames[i] = frame.to_ndarray(format="rgb24", threads=1)
             times[i] = (frame.pts - int(probe.pts[0])) * probe.time_base
     return np.stack([frames[i] for i in indices]), np.array([times[i] for i in indices])
 
