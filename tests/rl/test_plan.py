@@ -210,65 +210,55 @@ def test_activations_with_and_without_checkpointing_alive_and_peak(dtype):
     assert results[True] < 0.2 * results[False]
 
 
+def _logprob_backward_peak(vocab: int, hidden_size: int, tokens: int, chunk: int | None, dtype) -> int:
+    """Peak bytes of chunked_token_logprobs' backward (with entropy) above what its forward left, the accumulated
+    head and hidden gradients excluded, for a ``[vocab, hidden_size]`` head over ``tokens`` rows."""
+    from keye.train.logprobs import chunked_token_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(dtype)
+    hidden = torch.randn(tokens, hidden_size, dtype=dtype, requires_grad=True)
+    with LiveBytes() as mem:
+        hooks = mem.exclude_grads([head.weight, hidden])
+        lp, ent = chunked_token_logprobs(hidden, torch.arange(tokens), torch.randint(0, vocab, (tokens,)), head,
+                                         with_entropy=True, chunk_size=chunk)
+        loss = lp.sum() + ent.sum()
+        base = mem.current()
+        mem.peak = 0
+        loss.backward()
+    for h in hooks:
+        h.remove()
+    return mem.peak - base
+
+
+def _head_config(vocab: int, hidden_size: int) -> KeyeVLConfig:
+    text = TextConfig(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, mrope_section=(2, 3, 3))
+    return KeyeVLConfig(variant="1.5", text=text, vision=small_config().vision, torch_dtype="float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logprob_chunk_peak(dtype):
     """Peak bytes of the chunked log-softmax's backward above what the forward left (the accumulated head and
     hidden gradients excluded) vs logprob_chunk_bytes, within 15 %, for several chunk sizes and unchunked."""
-    from keye.train.logprobs import chunked_token_logprobs
-
-    td = getattr(torch, dtype)
-    text = TextConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, mrope_section=(2, 3, 3))
-    config = KeyeVLConfig(variant="1.5", text=text, vision=small_config().vision, torch_dtype="float32")
-    m = 512
+    config, m = _head_config(8192, 32), 512
     for chunk in (64, 128, None):
-        torch.manual_seed(0)
-        head = torch.nn.Linear(32, 8192, bias=False).to(td)
-        hidden = torch.randn(m, 32, dtype=td, requires_grad=True)
-        with LiveBytes() as mem:
-            hooks = mem.exclude_grads([head.weight, hidden])
-            lp, ent = chunked_token_logprobs(hidden, torch.arange(m), torch.randint(0, 8192, (m,)), head,
-                                             with_entropy=True, chunk_size=chunk)
-            loss = lp.sum() + ent.sum()
-            base = mem.current()
-            mem.peak = 0
-            loss.backward()
-        for h in hooks:
-            h.remove()
         planned = logprob_chunk_bytes(config, dtype=dtype, chunk=chunk, response_tokens=m)
-        assert planned == pytest.approx(mem.peak - base, rel=0.15), chunk
+        assert planned == pytest.approx(_logprob_backward_peak(8192, 32, m, chunk, getattr(torch, dtype)),
+                                        rel=0.15), chunk
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_logprob_head_with_answer_length(dtype):
+def test_logprob_head_with_answer_length():
     """A bf16 head wide enough that its float32 gradient sum and g^T h temporaries outweigh the chunk's buffers
-    (the float32 head's formula is test_logprob_chunk_peak's): the measured backward peak of chunked_token_logprobs (above what the forward left, the final
-    gradients excluded) vs logprob_chunk_bytes within 10 % at 256 and 1024 answer tokens, and what the longer
+    (the float32 head's formula is test_logprob_chunk_peak's): the measured backward peak of
+    chunked_token_logprobs vs logprob_chunk_bytes within 10 % at 256 and 1024 answer tokens, and what the longer
     answers add within 15 % of the plan's answer-length term."""
-    from keye.train.logprobs import chunked_token_logprobs
-
-    td = getattr(torch, dtype)
     d, v = 128, 1024
-    text = TextConfig(vocab_size=v, hidden_size=d, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, mrope_section=(2, 3, 3))
-    config = KeyeVLConfig(variant="1.5", text=text, vision=small_config().vision, torch_dtype="float32")
+    config = _head_config(v, d)
     measured, planned = {}, {}
     for m in (256, 1024):
-        torch.manual_seed(0)
-        head = torch.nn.Linear(d, v, bias=False).to(td)
-        hidden = torch.randn(m, d, dtype=td, requires_grad=True)
-        with LiveBytes() as mem:
-            hooks = mem.exclude_grads([head.weight, hidden])
-            lp, ent = chunked_token_logprobs(hidden, torch.arange(m), torch.randint(0, v, (m,)), head,
-                                             with_entropy=True, chunk_size=64)
-            loss = lp.sum() + ent.sum()
-            base = mem.current()
-            mem.peak = 0
-            loss.backward()
-        for h in hooks:
-            h.remove()
-        measured[m] = mem.peak - base
-        planned[m] = logprob_chunk_bytes(config, dtype=dtype, chunk=64, response_tokens=m)
+        measured[m] = _logprob_backward_peak(v, d, m, 64, torch.bfloat16)
+        planned[m] = logprob_chunk_bytes(config, dtype="bfloat16", chunk=64, response_tokens=m)
         assert planned[m] == pytest.approx(measured[m], rel=0.10), m
     assert planned[1024] - planned[256] == pytest.approx(measured[1024] - measured[256], rel=0.15)
 
