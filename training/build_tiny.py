@@ -101,6 +101,12 @@ DRILL_TYPES = ("position", "detail")
 DRILL_SEED = 11
 DRILL_CLIPS = 6000
 DRILL_IMAGE_FRACTION = 0.5
+# Stage 4's clips (keye.data.synth_forms): drawn with their own seed (no test split, drill, RL or AutoThink run
+# uses 13), with the thinking-mode targets; each asked as multiple choice, in a free-form wording and in one
+# thinking mode, plus text-only greetings.
+FORMS_SEED = 13
+FORMS_CLIPS = 6000
+FORMS_GREETINGS = 400
 
 
 def corpus(*manifests: Path) -> list[str]:
@@ -224,6 +230,30 @@ def eval_figures(real_dir: Path, blank_dir: Path) -> dict[str, Any]:
             "majority": pct(real["majority"]["overall"]), "question_type": types}
 
 
+def think_figures(out_dir: Path) -> dict[str, Any]:
+    """Accuracy of a ``keye eval synth --mode think`` run and the share of replies with a non-empty
+    ``<think>`` trace (from its predictions), both in percent."""
+    scores = json.loads((out_dir / "scores.json").read_text())
+    preds = [json.loads(line) for line in (out_dir / "predictions.jsonl").read_text().splitlines()]
+    traced = sum(1 for p in preds if "<think>" in p["raw_output"] and p["raw_output"].split("<think>", 1)[1]
+                 .split("</think>", 1)[0].strip())
+    return {"accuracy": round(100.0 * scores["overall"]["accuracy"], 1),
+            "traced": round(100.0 * traced / max(len(preds), 1), 1)}
+
+
+def chat_figures(model_dir: Path) -> list[dict[str, str]]:
+    """keye-tiny's greedy replies to text-only greetings (what a newcomer types before any clip)."""
+    from keye.eval.runner import KeyeEngine
+    from keye.model.keye_vl import KeyeVL
+    from keye.processing.processor import KeyeProcessor
+
+    model = KeyeVL.from_pretrained(model_dir, torch_dtype="float32")
+    engine = KeyeEngine(model, KeyeProcessor.from_pretrained(model_dir), batch_size=3, max_new_tokens=96)
+    prompts = ("Hello", "What can you do?", "Thanks")
+    replies = engine.generate([[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts])
+    return [{"prompt": p, "reply": r.strip()} for p, r in zip(prompts, replies)]
+
+
 def demo_figures(model_dir: Path) -> list[dict[str, Any]]:
     """keye-tiny's greedy answers to the demo's example clips (what a newcomer tries first), scored by the
     set's own rule."""
@@ -278,6 +308,12 @@ def report_markdown(report: dict[str, Any]) -> str:
                   "| question type | n | real % | blank % | majority % |", "|---|---|---|---|---|"]
         for t, row in ev["question_type"].items():
             lines.append(f"| {t} | {row['n']} | {row['real']:.1f} | {row['blank']:.1f} | {row['majority']:.1f} |")
+        if ev.get("think"):
+            lines += ["", f"With `/think`: {ev['think']['accuracy']:.1f} % correct, a non-empty trace in "
+                          f"{ev['think']['traced']:.1f} % of the replies."]
+    if report.get("chat"):
+        lines += ["", "| text-only prompt | keye-tiny says |", "|---|---|"]
+        lines += [f"| {c['prompt']} | {c['reply']} |" for c in report["chat"]]
     if report.get("probe"):
         names = list(next(iter(report["probe"].values())))
         lines += ["", "| linear probe on the vision tokens | " + " | ".join(names) + " |",
@@ -341,6 +377,11 @@ def main() -> int:
                     help="synthetic set option: the position type's weight among the image types")
     ap.add_argument("--no-drills", dest="drills", action="store_false",
                     help="end at stage 2 (the build before 2026-12-06 evening): no drill stage")
+    ap.add_argument("--no-forms", dest="forms", action="store_false",
+                    help="end at stage 3 (the build before 2026-12-07): no free-form, thinking-mode or greeting rows")
+    ap.add_argument("--from-installed", action="store_true",
+                    help="run only stage 4 (forms), starting from the installed keye/assets/keye-tiny instead of "
+                         "stage 3's output (how the 2026-12-07 weights were made from the 2026-12-06 ones)")
     ap.add_argument("--install", action="store_true", help="copy the result into keye/assets/keye-tiny")
     ap.add_argument("--report-only", action="store_true",
                     help="print the tables of runs/tiny/build_report.json (docs/experiments/keye-tiny-build.md)")
@@ -369,43 +410,69 @@ def main() -> int:
         _check_scene_options(ap, questions, scene_options)
         _check_question_count(ap, questions, n_questions)
     from keye.data.synth import generate, generate_split
+    from keye.data.synth_forms import FREE_TYPES, forms_rows, free_form_row
 
     for where, options, n_train in ((synth, DEFAULT_SCENE_OPTIONS, args.train),
                                     (questions, scene_options, n_questions)):
+        if args.from_installed:  # stage 4 and the test splits need none of the earlier stages' data
+            break
         if not (where / "test.jsonl").is_file():
             generate(where, train=n_train, test=args.test, seed=0, places=args.caption_places, **options)
             (where / "scene_options.json").write_text(json.dumps(options) + "\n")
-    if not (synth / "warmup.jsonl").is_file():
+    if not args.from_installed and not (synth / "warmup.jsonl").is_file():
         generate_split(synth, "warmup", args.warmup, seed=0, places=args.caption_places)
     tests = ({"seed 0 test split (the build's held-out questions)": questions / "test.jsonl"}
              if args.eval_build_test else {})
+    free_tests = {}
     for seed in args.unseen_seeds:
         path = questions / f"unseen_seed{seed}/test.jsonl"
         if not path.is_file():
             generate_split(path.parent, "test", args.unseen_test, seed=seed, **scene_options)
         tests[f"unseen seed {seed}"] = path
+        if args.forms:  # the same clips asked in the free-form wordings (keye.data.synth_forms)
+            free = path.parent / "test_free.jsonl"
+            if not free.is_file():
+                free.write_text("".join(json.dumps(free_form_row(r) if r["question_type"] in FREE_TYPES else r)
+                                        + "\n" for r in map(json.loads, path.read_text().splitlines())))
+            free_tests[f"unseen seed {seed}, free-form"] = free
     stage1 = synth / "stage1.jsonl"
-    if not stage1.is_file():  # stage 1 data: large-object warm-up images and the clips' captions
+    if not args.from_installed and not stage1.is_file():  # stage 1 data: large-object warm-up images and the clips' captions
         stage1.write_text((synth / "warmup.jsonl").read_text() + (synth / "train_captions.jsonl").read_text())
     mix = questions / "train_mix.jsonl"
-    if not mix.is_file():  # stage 2 data: the questions and the captions, shuffled together by the loader
+    if not args.from_installed and not mix.is_file():  # stage 2 data: the questions and the captions, shuffled together by the loader
         mix.write_text((questions / "train.jsonl").read_text() + (questions / "train_captions.jsonl").read_text())
     drill_mix = questions / "drill_mix.jsonl"
-    if args.drills and not drill_mix.is_file():  # stage 3 data: stage 2's rows and the drill questions
+    if args.drills and not args.from_installed and not drill_mix.is_file():  # stage 3 data: stage 2's rows and the drill questions
         drill_dir = questions / "drill"
         if not (drill_dir / "train.jsonl").is_file():
             generate_split(drill_dir, "train", DRILL_CLIPS, seed=DRILL_SEED, image_fraction=DRILL_IMAGE_FRACTION,
                            places=args.caption_places, **scene_options)
         rows = drill_rows(drill_dir / "train.jsonl", drill_dir.name, DRILL_TYPES)
         drill_mix.write_text(mix.read_text() + "".join(json.dumps(row) + "\n" for row in rows))
+    forms_mix = questions / "forms_mix.jsonl"
+    if args.forms and not forms_mix.is_file():  # stage 4 data: fresh clips asked three ways, and greetings
+        forms_dir = questions / "forms"
+        if not (forms_dir / "train.jsonl").is_file():
+            generate_split(forms_dir, "train", FORMS_CLIPS, seed=FORMS_SEED, modes=True,
+                           places=args.caption_places, **scene_options)
+        clips = [json.loads(line) for line in (forms_dir / "train.jsonl").read_text().splitlines()]
+        for row in clips:  # media paths resolve against the manifest's folder (once per clip: its rows share it)
+            for part in row["messages"][0]["content"]:
+                kind = part.get("type")
+                if kind in ("image", "video"):
+                    part[kind] = f"{forms_dir.name}/{part[kind]}"
+        rows = forms_rows(clips, greetings=FORMS_GREETINGS)
+        forms_mix.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if args.from_installed and not args.forms:
+        ap.error("--from-installed runs stage 4 only; it cannot be combined with --no-forms")
     init = REPO / "runs/tiny/init"
-    if not (init / "model.safetensors").is_file():
+    if not args.from_installed and not (init / "model.safetensors").is_file():
         build_init(init, synth / "train.jsonl", synth / "train_captions.jsonl")
     # What the set was drawn with and what stage 2 was told, so a report says which build it describes.
     report: dict[str, Any] = {"scene_options": scene_options, "stage2_overrides": list(args.overrides),
                               "stages": {}, "evals": {}}
     see_dir = REPO / "runs/tiny_see"
-    if args.see_steps > 0:
+    if args.see_steps > 0 and not args.from_installed:
         if not (see_dir / "metrics.json").is_file():
             sys.path.insert(0, str(REPO / "training"))
             from pretrain_vision import pretrain_vision
@@ -423,6 +490,11 @@ def main() -> int:
     if args.drills:
         stages.append(("3, drills", "drill", "runs/tiny_drill",
                        no_see + [f"data.manifest={drill_mix.relative_to(REPO)}"]))
+    if args.forms:
+        stages.append(("4, forms", "forms", "runs/tiny_forms", no_see + [f"data.manifest={forms_mix.relative_to(REPO)}"]
+                       + (["model.path=keye/assets/keye-tiny"] if args.from_installed else [])))
+    if args.from_installed:
+        stages = stages[-1:]
     final = REPO / stages[-1][2] / "final"
     for name, stage, out_dir, overrides in stages:
         seconds = None
@@ -446,8 +518,25 @@ def main() -> int:
         report["evals"][name] = ev = eval_figures(*dirs)
         print(f"{name}: real {ev['real']:.1f} %, blank {ev['blank']:.1f} %, majority {ev['majority']:.1f} %",
               flush=True)
+    for k, (name, path) in enumerate(free_tests.items()):
+        # Free-form: direct (no switch), blank clips, and /think with room for the trace.
+        runs = {"real": ("", ["--max-new-tokens", "16"]), "blank": ("_blank", ["--max-new-tokens", "16", "--blank"]),
+                "think": ("_think", ["--max-new-tokens", "96", "--mode", "think"])}
+        for suffix, extra in runs.values():
+            out = final.parent / f"free{k}{suffix}"
+            if not (out / "scores.json").is_file():
+                run([sys.executable, "-m", "keye", "eval", "synth", "--model", str(final), "--data", str(path),
+                     "--out", str(out), "--batch-size", "16", *extra])
+        ev = eval_figures(final.parent / f"free{k}", final.parent / f"free{k}_blank")
+        ev["think"] = think_figures(final.parent / f"free{k}_think")
+        report["evals"][name] = ev
+        print(f"{name}: real {ev['real']:.1f} %, blank {ev['blank']:.1f} %, majority {ev['majority']:.1f} %, "
+              f"/think {ev['think']['accuracy']:.1f} % with a trace in {ev['think']['traced']:.1f} %", flush=True)
+    if args.forms:
+        report["chat"] = chat_figures(final)
     report["demo"] = demo_figures(final)
     report["probe"] = probe_figures(final, report.get("see"))
+    report_path.parent.mkdir(parents=True, exist_ok=True)  # runs/tiny is not made by --from-installed
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(report_markdown(report), end="", flush=True)
     print(f"report -> {report_path}")
