@@ -236,7 +236,7 @@ def _loop(run: _Run, stop_after: int | None, on_step: Callable[[int, Any], None]
         t0 = time.time()
         if run.streaming:  # each group's gradient as soon as it is complete; one step when the batch is whole
             stream = StreamingUpdate(learner, pad_id=run.pad_id, use_tree=run.use_tree, loss_kwargs=run.loss_kwargs)
-            batch = source.collect(step, seed, on_group=stream.add)
+            batch = source.collect(step, seed, on_group=stream.add, on_poll=stream.poll)
             update = stream.finish(batch)
         else:
             batch = source.collect(step, seed)  # sampled (or streamed) + replayed, scored, filtered groups

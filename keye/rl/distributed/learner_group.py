@@ -335,6 +335,15 @@ class RemoteLearner:
                 for a, idx in zip(self.actors, shares)]
         self._stream.append((list(samples), shares, refs))
 
+    def busy(self) -> bool:
+        """Whether a part sent by :meth:`stream_part` is still being computed (the actors run calls in order, so
+        the last part's calls decide); a rank that died reads as not busy, and :meth:`finish_stream` reports it."""
+        if not self._stream:
+            return False
+        refs = self._stream[-1][2]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) < len(refs)
+
     def finish_stream(self, *, loss_kwargs: dict[str, Any]) -> UpdateResult:
         """Wait for every part sent since the last call, write the ranks' old / reference log-probs and advantages
         into the driver's samples, and step every rank once; returns the merged result (:func:`merge_updates`)."""

@@ -417,13 +417,23 @@ class _Sim:
 def compare(cfg: ClusterConfig, max_staleness: int = 1, train_gpus: list[int] | None = None,
             update: str = "barrier") -> tuple[SimResult, SimResult]:
     """Synchronous RL vs the best asynchronous placement with ``max_staleness`` and ``update`` (barrier or
-    streaming): colocated, or tagged with each count in ``train_gpus`` (default: 1/16, 2/16, ..., 15/16 of the GPUs
-    and all but one). Returns ``(sync, async)``; ``async.samples_per_s / sync.samples_per_s`` is the speed-up."""
+    streaming): colocated, or tagged with each count in ``train_gpus``. By default the counts are searched as an
+    operator would tune them: 1/16, 2/16, ..., 15/16 of the GPUs and all but one, then every count between the
+    best one's neighbours on that grid. Returns ``(sync, async)``; ``async.samples_per_s / sync.samples_per_s`` is
+    the speed-up."""
     sync = simulate(cfg, 0, "colocated")
     options = [simulate(cfg, max_staleness, "colocated", update=update)]
-    counts = train_gpus if train_gpus is not None else sorted(
+    grid = train_gpus if train_gpus is not None else sorted(
         {max(1, cfg.n_gpus * i // 16) for i in range(1, 16)} | {max(1, cfg.n_gpus - 1)})
-    options += [simulate(cfg, max_staleness, "tagged", t, update=update) for t in counts]
+    tagged = {t: simulate(cfg, max_staleness, "tagged", t, update=update) for t in grid}
+    if train_gpus is None and tagged:
+        best = max(tagged, key=lambda t: tagged[t].samples_per_s)
+        i = grid.index(best)
+        lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+        for t in range(lo + 1, hi):
+            if t not in tagged:
+                tagged[t] = simulate(cfg, max_staleness, "tagged", t, update=update)
+    options += list(tagged.values())
     return sync, max(options, key=lambda r: r.samples_per_s)
 
 

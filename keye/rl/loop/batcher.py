@@ -246,28 +246,43 @@ def prepare_update(batch: StepBatch, learner: Any, algorithm: Any, *, pad_id: in
 
 class StreamingUpdate:
     """The learner side of a streaming update (``rl.update: streaming``, asynchronous mode): the batch source hands
-    each kept group over as soon as it is complete and scored (:meth:`add`); every ``learner.ranks`` groups (one
-    per learner rank) go to the learner as one part - old and reference log-probs with the weights about to be
-    updated, group advantages, the part's gradient - while later groups are still being generated; :meth:`finish`
-    steps once when the batch is whole. The result equals the barrier update (:func:`prepare_update` then
-    ``learner.update`` with one epoch and one mini-batch) on the same groups.
+    each kept group over as soon as it is complete and scored (:meth:`add`); the groups waiting go to the learner
+    as one part - old and reference log-probs with the weights about to be updated, group advantages, the part's
+    gradient - while later groups are still being generated; :meth:`finish` steps once when the batch is whole.
+    The result equals the barrier update (:func:`prepare_update` then ``learner.update`` with one epoch and one
+    mini-batch) on the same groups, however the groups are split into parts.
+
+    A part leaves when at least ``learner.ranks`` groups wait (one per rank) and the learner is free: a learner
+    with ``busy()`` (the Ray learner group, whose parts run in its actors while the driver streams) gets every
+    group that completed while it worked on the previous part in one call, so a learner slower than the groups
+    arrive trains few large parts instead of queueing many small ones (each part pays a forward for the old
+    log-probs and a backward, whose fixed costs dominate small parts). :meth:`poll` (called by the batch source
+    between its polls of the rollout workers) sends the waiting groups as soon as the learner frees up.
     """
 
     def __init__(self, learner: Any, *, pad_id: int, use_tree: bool, loss_kwargs: dict[str, Any]):
         self.learner, self.pad_id, self.use_tree, self.loss_kwargs = learner, pad_id, use_tree, loss_kwargs
         self.per_part = max(1, int(getattr(learner, "ranks", 1)))
+        self._busy = getattr(learner, "busy", None)
         self.pending: list[list[RolloutSample]] = []
+        self.parts: list[int] = []  # groups per part sent, in order (for the step's metrics)
         self.seconds = 0.0  # driver time spent handing parts over (and in the learner, when it is in process)
 
     def add(self, group: list[RolloutSample]) -> None:
         """A kept group (its samples numbered with their batch group id)."""
         self.pending.append(group)
-        if len(self.pending) >= self.per_part:
+        self.poll()
+
+    def poll(self) -> None:
+        """Send the waiting groups as one part if there are at least ``learner.ranks`` of them and the learner is
+        free (always, for a learner without ``busy()``)."""
+        if len(self.pending) >= self.per_part and (self._busy is None or not self._busy()):
             self._send()
 
     def _send(self) -> None:
         t = time.time()
         samples = [s for g in self.pending for s in g]
+        self.parts.append(len(self.pending))
         self.pending = []
         self.learner.stream_part(samples, pad_id=self.pad_id, use_tree=self.use_tree, loss_kwargs=self.loss_kwargs)
         self.seconds += time.time() - t
@@ -281,4 +296,5 @@ class StreamingUpdate:
         result = self.learner.finish_stream(loss_kwargs=self.loss_kwargs)
         batch.timing["update"] = time.time() - t
         batch.timing["stream_parts"] = self.seconds
+        batch.extra["stream/parts"] = float(len(self.parts))
         return result

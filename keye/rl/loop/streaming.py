@@ -175,10 +175,12 @@ class StreamingBatcher:
                                  version=self.version)
 
     def collect(self, step: int, seed: int,
-                on_group: Callable[[list[RolloutSample]], None] | None = None) -> StepBatch:
+                on_group: Callable[[list[RolloutSample]], None] | None = None,
+                on_poll: Callable[[], None] | None = None) -> StepBatch:
         """The batch of ``step`` (module doc, 1-3): ``B`` kept groups (fewer when dynamic sampling examined
         ``algorithm.max_rounds * B`` groups first), numbered in admission order. ``on_group(samples)`` receives each
-        kept group as soon as it is complete and scored (the streaming update, :class:`StreamingUpdate`)."""
+        kept group as soon as it is complete and scored (the streaming update, :class:`StreamingUpdate`);
+        ``on_poll()`` is called once per poll of the rollout workers (:meth:`StreamingUpdate.poll`)."""
         a, B = self.cfg.algorithm, self.B
         replay_rng = random.Random(seed)
         t0 = time.time()
@@ -218,6 +220,8 @@ class StreamingBatcher:
                     on_group(samples)
                     t = time.time()
             timing["replay"] += time.time() - t
+            if on_poll is not None:
+                on_poll()
             if not finished and not admitted and self._progress() == before:
                 time.sleep(IDLE_SLEEP_S)
         timing["wait"] = time.time() - t0 - timing["score"] - timing["replay"]
