@@ -38,7 +38,7 @@ the streaming update, re-prefill charged, GPU-like decoding). Last line:
 (with ``--no-measured``: ``rl throughput async vs sync: simulated 64 GPUs Y.YYx (...)``).
 
 Usage: python benchmarks/rl_async.py [--gpus 64] [--mu 6.0] [--sigma 1.0] [--max-tokens 4096] [--no-sweep]
-       [--a-steps 8] [--a-repeats 3] [--a-update streaming] [--no-measured] [--quick]
+       [--a-steps 12] [--a-repeats 3] [--a-update streaming] [--no-measured] [--quick]
        (about 10 minutes on 2 cores; ``--quick``: 8 simulated devices, one short run per mode, no sweep, about
        30 s, most of it starting Ray and its actors)
 """
@@ -156,7 +156,7 @@ def synth_manifest(manifest: str, into: Path, rows: int, log=print) -> str:
     return str(generate_split(into / "synth", "train", rows, seed=0, workers=0, progress=False))
 
 
-def measure_async_vs_sync(*, steps: int = 8, warmup: int = 3, repeats: int = 3, prompts: int = 4, group: int = 4,
+def measure_async_vs_sync(*, steps: int = 12, warmup: int = 3, repeats: int = 3, prompts: int = 4, group: int = 4,
                           mu: float = 3.5, sigma: float = 1.0, max_tokens: int = 160, staleness: int = 1,
                           manifest: str = DEFAULT_MANIFEST, limit: int = 64, seed: int = 0,
                           async_update: str = "streaming", log=print) -> dict[str, list[float]]:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-measured", action="store_true", help="skip part (a), the measured keye-tiny runs")
     parser.add_argument("--cost-repeats", type=int, default=5, help="(b) timings per measured cost (the fastest)")
     parser.add_argument("--cost-decode-steps", type=int, default=24, help="(b) decode steps timed per batch size")
-    parser.add_argument("--a-steps", type=int, default=8, help="(a) updates per run")
+    parser.add_argument("--a-steps", type=int, default=12, help="(a) updates per run (the first --a-warmup not timed)")
     parser.add_argument("--a-warmup", type=int, default=3, help="(a) first updates not timed")
     parser.add_argument("--a-repeats", type=int, default=3, help="(a) runs per mode (median)")
     parser.add_argument("--a-prompts", type=int, default=4, help="(a) prompts per update")
