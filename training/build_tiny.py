@@ -26,8 +26,14 @@ from their last checkpoint):
      the video frame budget (25,088 pixels, which the final model keeps)
                                                                         runs/tiny_drill/final
      (training/configs/tiny_synth_drill.yaml; --no-drills ends the build at stage 2)
+     SFT stage 4, forms: fresh clips (seed 13) each asked as multiple choice, in a free-form wording and in one
+     thinking mode (/think -> <think>trace</think>answer, /no_think -> answer), plus text-only greetings
+     (keye.data.synth_forms), 1,200 steps                               runs/tiny_forms/final
+     (training/configs/tiny_synth_forms.yaml; --no-forms ends the build at stage 3; --from-installed runs this
+     stage alone on the installed keye-tiny)
   7. held-out evaluation with ``keye eval synth`` on every unseen-seed split, real clips and blank clips
-     (<final stage>/eval<k>{,_blank}), the demo's example clips, and the build report
+     (<final stage>/eval<k>{,_blank}), with stage 4 the same clips in free-form wording, direct, blank and with
+     /think (<final stage>/free<k>{,_blank,_think}), greetings, the demo's example clips, and the build report
      runs/tiny/build_report.json (every stage's and the final figures, and the linear probes of the
      vision tokens after the see stage and in the final model; ``--report-only`` prints its tables, which
      are docs/experiments/keye-tiny-build.md's)
@@ -50,7 +56,8 @@ budget (training/probe_mc.py).
 
 Usage: python training/build_tiny.py [--train 10000] [--test 500] [--warmup 3000] [--see-steps 800]
            [--unseen-seeds 101 202] [--unseen-test 300] [--eval-build-test] [--no-caption-places]
-           [--no-detail-cut] [--position-weight 3] [--questions N] [--no-drills] [--install]
+           [--no-detail-cut] [--position-weight 3] [--questions N] [--no-drills] [--no-forms]
+           [--from-installed] [--install]
            [stage2 overrides ...]
        (the build draws its stage-2 questions and every test split with the synthetic set's scene options
        detail_cut and position_weight 3, into data/synth/options; the tokenizer, the see stage and the

@@ -184,6 +184,14 @@ def frame_files(frames: list, directory: str | os.PathLike) -> list[tuple[str, s
     return out
 
 
+def effective_mode(question: str, radio: str | None) -> str | None:
+    """The thinking mode a question runs in: a ``/think`` or ``/no_think`` typed at the end of the question wins
+    (the radio's default, auto, would otherwise strip it), else the radio's mode (None for anything else)."""
+    from keye.rewards.format import split_mode_switch
+
+    return split_mode_switch(question)[1] or (radio if radio in MODES else None)
+
+
 def make_respond(host: ModelHost, max_video_seconds: float | None, frame_dir: str | os.PathLike | None = None):
     """The chat handler bound to ``host``: a generator yielding ``(chatbot, state, alert, gallery, summary,
     question)`` updates while the answer streams. The gallery's pictures are written under ``frame_dir``
@@ -254,7 +262,7 @@ def make_respond(host: ModelHost, max_video_seconds: float | None, frame_dir: st
                                         repetition_penalty=float(repetition_penalty))
             sampling.kwargs()
             session: ChatSession = state["session"]
-            batch = host.processor(session.messages(question, video), mode=mode if mode in MODES else None)
+            batch = host.processor(session.messages(question, video), mode=effective_mode(question, mode))
             frames = seen_frames(batch, host.processor)
             summary = token_summary(batch, frames)
             gallery = frame_files(frames, frame_dir)
@@ -355,7 +363,8 @@ def _chat_view() -> _ChatView:
     chatbot = gr.Chatbot(label="Conversation", height=380, buttons=["copy"])
     alert = gr.Markdown("", label="Message", show_label=False, elem_classes="keye-alert", visible=False)
     with gr.Row():
-        question = gr.Textbox(placeholder="Ask about the video… e.g. Which way does the red circle move?",
+        question = gr.Textbox(placeholder="Ask about the video… e.g. Which way does the red circle move? "
+                                          "(end with /think to see its reasoning)",
                               label="Question", show_label=False, scale=5, lines=1, max_lines=6,
                               autofocus=True)
         send = gr.Button("Ask", variant="primary", scale=1, min_width=80)

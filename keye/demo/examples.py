@@ -15,8 +15,12 @@ from typing import Any
 
 from keye.errors import KeyeConfigError
 
-# One clip per question type, from the test split (never trained on), seed 0 as the shipped set.
+# One clip per question type, from the test split (never trained on), seed 0 as the shipped set, asked the way a
+# newcomer types it (keye.data.synth_forms' first free-form wording); the types in THINK_EXAMPLES end with
+# /think, so the page shows keye-tiny's trace before its answer (order: its trace lists the objects with the
+# second each appears, then "first the ..."; a count example with /think was tried and keye-tiny counted 3 of 4).
 EXAMPLE_TYPES = ("direction", "color_change", "order")
+THINK_EXAMPLES = ("order",)
 # A newcomer should see the scene before and after what the question asks about: an example clip lasts at
 # least MIN_SECONDS and every event in it is at least EVENT_MARGIN seconds from either end. The rule reads only
 # the scene, never a model (its history: README, keye-tiny).
@@ -40,13 +44,16 @@ def write_examples(
     out_dir: str | Path, types: tuple[str, ...] = EXAMPLE_TYPES, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Render one test-split clip per question type into ``out_dir`` as ``<type>.mp4`` and write
-    ``examples.json`` (``[{"video", "question", "answer", "question_type", "id"}]``, video names relative).
+    ``examples.json`` (``[{"video", "question", "answer", "answer_kind", "choices", "question_type", "id"}]``,
+    video names relative): the question in its first free-form wording (:func:`keye.data.synth_forms.free_form_row`,
+    ``/think`` appended for :data:`THINK_EXAMPLES`), its answer and the candidates it is scored against.
 
     Scans test indices in order and keeps the first video sample of each type that
     :func:`shows_its_events`, so the result is deterministic and independent of any model. Raises
     :class:`KeyeConfigError` if a type is not found in the first 400 samples.
     """
     from keye.data.synth import make_sample
+    from keye.data.synth_forms import free_form_row
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,11 +68,14 @@ def write_examples(
                 continue
             media = row["messages"][0]["content"][0]["video"]
             shutil.copyfile(Path(tmp) / media, out / f"{qtype}.mp4")
-            question = row["messages"][0]["content"][1]["text"]
+            free = free_form_row(row, wording=0)
+            question = free["messages"][0]["content"][1]["text"] + (" /think" if qtype in THINK_EXAMPLES else "")
             found[qtype] = {
                 "video": f"{qtype}.mp4",
                 "question": question,
-                "answer": row["answer"],
+                "answer": free["answer"],
+                "answer_kind": free["answer_kind"],
+                "choices": free.get("choices"),
                 "question_type": qtype,
                 "id": row["id"],
             }
@@ -93,25 +103,35 @@ def load_examples(directory: str | Path | None = None) -> list[dict[str, Any]]:
 
 
 def answer_examples(model_dir: str | Path, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """A checkpoint's greedy answers (12 new tokens at most) to the example clips (default:
-    :func:`load_examples`), scored by the synthetic set's rule (a letter or the option's text, the MMMU rule).
+    """A checkpoint's greedy replies to the example clips (default: :func:`load_examples`), in each question's
+    thinking mode (a trailing ``/think``: 96 new tokens at most, else 16), scored by the synthetic set's rule on the
+    answer (the part after the trace).
 
-    Returns one ``{"question_type", "answer", "response", "correct"}`` per example, in order.
+    Returns one ``{"question_type", "answer", "response", "think", "correct"}`` per example, in order
+    (``think``: the trace, or None).
     """
     from keye.eval.runner import KeyeEngine
     from keye.eval.synth import extract, is_correct
     from keye.model.keye_vl import KeyeVL
+    from keye.processing.chat import parse_response
     from keye.processing.processor import KeyeProcessor
+    from keye.rewards.format import split_mode_switch
 
     rows = load_examples() if rows is None else rows
     model = KeyeVL.from_pretrained(model_dir, torch_dtype="float32")
-    engine = KeyeEngine(model, KeyeProcessor.from_pretrained(model_dir), batch_size=len(rows), max_new_tokens=12)
-    convs = [[{"role": "user", "content": [{"type": "video", "video": r["video"]},
-                                           {"type": "text", "text": r["question"]}]}] for r in rows]
-    out = []
-    for r, reply in zip(rows, engine.generate(convs)):
-        options = [line[3:] for line in r["question"].splitlines() if line[:1].isupper() and line[1:3] == ". "]
-        item = {"answer_kind": "mc", "choices": options, "answer": r["answer"]}
-        out.append({"question_type": r["question_type"], "answer": r["answer"], "response": reply.strip(),
-                    "correct": is_correct(extract(reply, item), item)})
-    return out
+    processor = KeyeProcessor.from_pretrained(model_dir)
+    out: list[dict[str, Any] | None] = [None] * len(rows)
+    thinking = [split_mode_switch(r["question"])[1] == "think" for r in rows]
+    for think in (False, True):
+        picked = [i for i, t in enumerate(thinking) if t == think]
+        if not picked:
+            continue
+        engine = KeyeEngine(model, processor, batch_size=len(picked), max_new_tokens=96 if think else 16)
+        convs = [[{"role": "user", "content": [{"type": "video", "video": rows[i]["video"]},
+                                               {"type": "text", "text": rows[i]["question"]}]}] for i in picked]
+        for i, reply in zip(picked, engine.generate(convs)):
+            r, parsed = rows[i], parse_response(reply)
+            item = {"answer_kind": r.get("answer_kind", "mc"), "choices": r.get("choices"), "answer": r["answer"]}
+            out[i] = {"question_type": r["question_type"], "answer": r["answer"], "response": parsed.answer.strip(),
+                      "think": parsed.think, "correct": is_correct(extract(parsed.answer, item), item)}
+    return [o for o in out if o is not None]

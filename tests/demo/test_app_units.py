@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from keye.cli import build_parser
-from keye.demo.app import make_respond
+from keye.demo.app import effective_mode, make_respond
 from keye.demo.engine import ModelHost
 
 
@@ -152,3 +152,12 @@ def test_the_loading_sheet_lets_clicks_through():
     from keye.demo.app import CSS
 
     assert ".gradio-container > .main > .wrap.translucent {pointer-events: none}" in CSS
+
+
+@pytest.mark.parametrize(("question", "radio", "mode"), [
+    ("Which way does it move?", "auto", "auto"), ("Which way does it move?", "think", "think"),
+    ("Which way does it move? /think", "auto", "think"), ("Which way does it move?/no_think", "think", "no_think"),
+    ("hi", None, None), ("hi", "bogus", None),
+])
+def test_a_switch_typed_in_the_question_wins_over_the_radio(question, radio, mode):
+    assert effective_mode(question, radio) == mode

@@ -50,9 +50,23 @@ def test_keye_tiny_answers_every_example():
     assert all(a["correct"] for a in answers), answers
 
 
+def _wrong(row):
+    if row["answer_kind"] == "numeric":
+        return str(int(row["answer"]) + 1)
+    return next(c for c in row["choices"] if c != row["answer"])
+
+
 def test_a_wrong_answer_is_scored_wrong():
-    """The scoring can fail: the same clips with every answer moved to another option."""
+    """The scoring can fail: the same clips with every answer moved to another candidate."""
     from keye.tiny import tiny_dir
 
-    rows = [{**r, "answer": "A" if r["answer"] != "A" else "B"} for r in load_examples()]
+    rows = [{**r, "answer": _wrong(r)} for r in load_examples()]
     assert not any(a["correct"] for a in answer_examples(tiny_dir(), rows))
+
+
+def test_the_think_example_shows_a_trace_and_the_others_none():
+    from keye.demo.examples import THINK_EXAMPLES
+    from keye.tiny import tiny_dir
+
+    for a in answer_examples(tiny_dir()):
+        assert bool(a["think"]) is (a["question_type"] in THINK_EXAMPLES), a

@@ -318,16 +318,47 @@ def test_usage_counts_the_tokens_keye_chat_and_the_demo_show(client, tiny):
     model, proc = tiny
     question = "hi"
     r = client.chat.completions.create(model="keye-tiny", messages=[{"role": "user", "content": question}],
-                                       max_tokens=16, temperature=0)
+                                       max_tokens=64, temperature=0)
     assert r.choices[0].finish_reason == "stop", r  # ended by the end token, which both must count
     batch = proc(ChatSession().messages(question), mode=None)
     gen = {"tokens": 0}
-    text = "".join(stream_reply(model, proc, batch, SamplingSettings(max_new_tokens=16, greedy=True), gen))
+    text = "".join(stream_reply(model, proc, batch, SamplingSettings(max_new_tokens=64, greedy=True), gen))
     assert text == r.choices[0].message.content
     assert r.usage.completion_tokens == gen["tokens"]
     # ... which is every generated token up to and including the end token, as generate() returns them
-    ids = model.generate(**batch, max_new_tokens=16, do_sample=False)[0, batch["input_ids"].shape[1]:].tolist()
+    ids = model.generate(**batch, max_new_tokens=64, do_sample=False)[0, batch["input_ids"].shape[1]:].tolist()
     eos = set(model.config.eos_token_ids)
     assert gen["tokens"] == next(i + 1 for i, t in enumerate(ids) if t in eos)
     line = reply_stats(text, gen["tokens"], proc.tokenizer)["line"]
     assert line.endswith(f"· {gen['tokens']} token{'s' if gen['tokens'] != 1 else ''}"), line
+
+
+@pytest.fixture(scope="module")
+def synth_clip(media_dir):
+    """An unseen synthetic clip (seed 909, which keye-tiny's build never draws) with a direction question."""
+    from keye.data.synth import generate_split
+
+    rows = [json.loads(line) for line in generate_split(media_dir / "synth", "test", 40, seed=909, workers=1,
+                                                        progress=False).read_text().splitlines()]
+    row = next(r for r in rows if r["question_type"] == "direction")
+    mover = row["messages"][0]["content"][1]["text"].split("\n")[0].split("does the ")[1].split(" move")[0]
+    return str(media_dir / "synth" / row["messages"][0]["content"][0]["video"]), mover, row
+
+
+def test_think_mode_on_keye_tiny_fills_reasoning_content(client, synth_clip):
+    """keye-tiny was trained with the switches: /think (or extra_body mode) returns its trace as
+    reasoning_content and the answer as content; /no_think returns no reasoning."""
+    video, mover, row = synth_clip
+    content = [{"type": "video_url", "video_url": {"url": video}},
+               {"type": "text", "text": f"Which way does the {mover} move?"}]
+    think = client.chat.completions.create(model="keye-tiny", messages=[{"role": "user", "content": content}],
+                                           max_tokens=64, temperature=0, extra_body={"mode": "think"})
+    message = think.choices[0].message
+    assert message.reasoning_content and message.reasoning_content.strip(), message
+    assert message.content.strip() in ("left", "right", "up", "down"), message
+    assert mover.split()[1] in message.reasoning_content  # the trace describes the clip's objects
+    direct = client.chat.completions.create(
+        model="keye-tiny", max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": [content[0], {"type": "text", "text": content[1]["text"] + "/no_think"}]}])
+    assert direct.choices[0].message.reasoning_content is None
+    assert direct.choices[0].message.content.strip() in ("left", "right", "up", "down")

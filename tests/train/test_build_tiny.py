@@ -363,3 +363,18 @@ def test_drill_rows_join_another_manifest_with_their_media_and_unique_ids(tmp_pa
         assert all(Path(m.path).is_file() and Path(m.path).is_relative_to(questions / "drill") for m in sample.media)
     with pytest.raises(ValueError, match="no questions of the drilled types"):
         build.drill_rows(questions / "drill/train.jsonl", "drill", ("no_such_type",))
+
+
+def test_think_figures_and_the_report_show_traces_and_greetings(tmp_path):
+    out = tmp_path / "think"
+    out.mkdir()
+    (out / "scores.json").write_text(json.dumps({"overall": {"accuracy": 0.5}}))
+    raw = ["<think>red circle left</think>red", "<think> </think>blue", "green", "<think>a square</think>"]
+    (out / "predictions.jsonl").write_text("".join(json.dumps({"raw_output": r}) + "\n" for r in raw))
+    fig = build.think_figures(out)
+    assert fig == {"accuracy": 50.0, "traced": 50.0}  # an empty trace and no trace do not count
+    ev = {"n": 4, "real": 75.0, "blank": 25.0, "majority": 50.0, "question_type": {}, "think": fig}
+    md = build.report_markdown({"stages": {}, "evals": {"unseen seed 7, free-form": ev},
+                                "chat": [{"prompt": "Hello", "reply": "Hello! I am keye-tiny."}]})
+    assert "With `/think`: 50.0 % correct, a non-empty trace in 50.0 % of the replies." in md
+    assert "| Hello | Hello! I am keye-tiny. |" in md
