@@ -52,7 +52,8 @@ def named_candidate(response: str, candidates: Sequence[str]) -> str | None:
 
 
 def extract(response: str, item: Mapping[str, Any]) -> str | None:
-    """Return the answer read from ``response``: an option letter (mc) or a number string, or None."""
+    """Return the answer read from ``response``: an option letter (mc), a number string (numeric) or the
+    candidate it names (text, :func:`named_candidate`), or None."""
     if item["answer_kind"] == "mc":
         choices = item.get("choices") or []
         if not choices:

@@ -30,8 +30,8 @@ import numpy as np
 
 from keye.data.synth import COLORS, DIRECTIONS, LETTERS, SHAPES
 
-# Plain wordings per multiple-choice type. Group names fill the templates; each pattern matches the first
-# line of the set's own question text (keye.data.synth's question builders).
+# Plain wordings per question type. Group names fill the templates; each pattern matches the first line of
+# the set's own question text (keye.data.synth's question builders).
 _PATTERNS: dict[str, re.Pattern[str]] = {
     "color": re.compile(r"What colour is the (?P<s>\w+)\?"),
     "shape": re.compile(r"What shape is the (?P<c>\w+) object\?"),
