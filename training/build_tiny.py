@@ -240,10 +240,11 @@ def eval_figures(real_dir: Path, blank_dir: Path) -> dict[str, Any]:
 def think_figures(out_dir: Path) -> dict[str, Any]:
     """Accuracy of a ``keye eval synth --mode think`` run and the share of replies with a non-empty
     ``<think>`` trace (from its predictions), both in percent."""
+    from keye.processing.chat import parse_response
+
     scores = json.loads((out_dir / "scores.json").read_text())
     preds = [json.loads(line) for line in (out_dir / "predictions.jsonl").read_text().splitlines()]
-    traced = sum(1 for p in preds if "<think>" in p["raw_output"] and p["raw_output"].split("<think>", 1)[1]
-                 .split("</think>", 1)[0].strip())
+    traced = sum(1 for p in preds if (parse_response(p["raw_output"]).think or "").strip())
     return {"accuracy": round(100.0 * scores["overall"]["accuracy"], 1),
             "traced": round(100.0 * traced / max(len(preds), 1), 1)}
 

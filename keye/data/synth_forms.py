@@ -96,6 +96,13 @@ _GREETINGS: dict[str, tuple[str, ...]] = {
 GREETING_TRACE = "a greeting, no clip to look at"
 
 
+_SOURCE_KEYS = ("modes", "caption", "auto_mode")  # what a row made with modes=True carries for building others
+
+
+def _without(row: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in keys}
+
+
 def _rng(row_id: str, salt: int) -> np.random.Generator:
     return np.random.default_rng([zlib.crc32(row_id.encode()), salt])
 
@@ -131,7 +138,7 @@ def free_form_row(row: dict[str, Any], wording: int | None = None) -> dict[str, 
     key = f"count_{row.get('meta', {}).get('modality', 'video')}" if qtype == "count" else qtype
     wordings = FREE_WORDINGS[key]
     pick = int(_rng(str(row["id"]), 1).integers(len(wordings))) if wording is None else wording % len(wordings)
-    out = {k: v for k, v in row.items() if k != "messages"}
+    out = _without(row, "messages")
     user = dict(row["messages"][0])
     user["content"] = list(user["content"])
     user["content"][index] = {**part, "text": wordings[pick].format(**match.groupdict())}
@@ -160,7 +167,7 @@ def mode_row(row: dict[str, Any], mode: str) -> dict[str, Any]:
         raise ValueError(f"mode must be 'think' or 'no_think', not {mode!r}")
     if "modes" not in row:
         raise ValueError(f"row {row.get('id')!r} has no 'modes' (generate the set with modes=True)")
-    out = {k: v for k, v in row.items() if k not in ("messages", "modes", "caption")}
+    out = _without(row, "messages", *_SOURCE_KEYS)
     out["id"] = f"{row['id']}-{mode}"
     out["messages"] = [apply_mode([row["messages"][0]], mode)[0],
                        {"role": "assistant", "content": [{"type": "text", "text": row["modes"][mode]}]}]
@@ -196,14 +203,13 @@ def forms_rows(rows: list[dict[str, Any]], greetings: int = 0, seed: int = 0) ->
     out = []
     for row in rows:
         rng = _rng(str(row["id"]), 2)
-        plain = {k: v for k, v in row.items() if k not in ("modes", "caption", "auto_mode")}
-        out.append(plain)
+        out.append(_without(row, *_SOURCE_KEYS))
         free = free_form_row(row) if row["question_type"] in FREE_TYPES else None
         if free is not None:
-            out.append({k: v for k, v in free.items() if k not in ("modes", "caption", "auto_mode")})
+            out.append(_without(free, *_SOURCE_KEYS))
         source = free if free is not None and rng.random() < 0.5 else row
         out.append(mode_row(source, "think" if rng.random() < 2 / 3 else "no_think"))
     for g in greeting_rows(greetings, seed):
-        out.append({k: v for k, v in g.items() if k != "modes"})
+        out.append(_without(g, *_SOURCE_KEYS))
         out.append(mode_row(g, "think" if g["id"][-1] in "02468" else "no_think"))
     return out

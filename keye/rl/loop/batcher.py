@@ -265,7 +265,7 @@ class StreamingUpdate:
         self.per_part = max(1, int(getattr(learner, "ranks", 1)))
         self._busy = getattr(learner, "busy", None)
         self.pending: list[list[RolloutSample]] = []
-        self.parts: list[int] = []  # groups per part sent, in order (for the step's metrics)
+        self.parts_sent = 0  # for the step's metrics
         self.seconds = 0.0  # driver time spent handing parts over (and in the learner, when it is in process)
 
     def add(self, group: list[RolloutSample]) -> None:
@@ -282,7 +282,7 @@ class StreamingUpdate:
     def _send(self) -> None:
         t = time.time()
         samples = [s for g in self.pending for s in g]
-        self.parts.append(len(self.pending))
+        self.parts_sent += 1
         self.pending = []
         self.learner.stream_part(samples, pad_id=self.pad_id, use_tree=self.use_tree, loss_kwargs=self.loss_kwargs)
         self.seconds += time.time() - t
@@ -296,5 +296,5 @@ class StreamingUpdate:
         result = self.learner.finish_stream(loss_kwargs=self.loss_kwargs)
         batch.timing["update"] = time.time() - t
         batch.timing["stream_parts"] = self.seconds
-        batch.extra["stream/parts"] = float(len(self.parts))
+        batch.extra["stream/parts"] = float(self.parts_sent)
         return result
